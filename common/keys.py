@@ -1,0 +1,41 @@
+"""Every Redis key and channel name the system uses, in one place.
+
+- ``ferry:{model}:jobs``: the model's job stream. Each entry has one field, ``job``, the JSON of a
+  :class:`common.protocol.Job`.
+- ``ferry:{model}:workers``: the consumer group all workers of that model read from. A pool (cpu, cuda,
+  npu) is a set of consumers in that group: a second group on the same stream would receive every job a
+  second time, so pools of one model share the group and differ only in consumer names.
+- ``ferry:events:{api_id}:{request_id}``: the per-request pub/sub channel. Each API pod pattern-subscribes
+  to ``ferry:events:{api_id}:*`` once at start-up, so it is subscribed to a request's channel before it
+  queues the request's job and no first token can be missed.
+"""
+
+from __future__ import annotations
+
+PREFIX = "ferry"
+JOB_FIELD = "job"
+
+
+def job_stream(model: str) -> str:
+    return f"{PREFIX}:{model}:jobs"
+
+
+def worker_group(model: str) -> str:
+    return f"{PREFIX}:{model}:workers"
+
+
+def consumer_name(pool: str, host: str, pid: int) -> str:
+    return f"{pool}:{host}:{pid}"
+
+
+def events_pattern(api_id: str) -> str:
+    return f"{PREFIX}:events:{api_id}:*"
+
+
+def events_channel(api_id: str, request_id: str) -> str:
+    return f"{PREFIX}:events:{api_id}:{request_id}"
+
+
+def request_id_of(channel: str) -> str:
+    """The request id at the end of an events channel name."""
+    return channel.rsplit(":", 1)[1]

@@ -1,0 +1,89 @@
+"""The wire protocol between API pods and workers.
+
+An API pod validates a request, turns it into a :class:`Job` (already tokenized, every sampling parameter
+resolved, a seed always set) and XADDs it to the model's job stream. A worker publishes one
+:class:`TokenEvent` per generated token to the job's ``reply_channel``; the last one carries
+:class:`Finish`. A failure is one :class:`ErrorEvent`. Protocol adapters (TGI, KServe v2, ...) translate
+their own request/response shapes onto these models and nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, Field, TypeAdapter
+
+FinishReason = Literal["length", "eos_token", "stop_sequence"]
+
+
+class SamplingParams(BaseModel):
+    """Per-request generation controls, fully resolved by the API (no "unset" left for the worker)."""
+
+    do_sample: bool = False
+    temperature: float = Field(1.0, gt=0.0)
+    top_k: int = Field(0, ge=0, description="0 = off")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="1.0 = off")
+    typical_p: float = Field(1.0, gt=0.0, le=1.0, description="accepted, not applied")
+    repetition_penalty: float = Field(1.0, gt=0.0, description="1.0 = off")
+    seed: int = Field(..., ge=0, lt=2**64)
+    max_new_tokens: int = Field(..., gt=0)
+    stop: list[str] = Field(default_factory=list, description="stop strings, excluded from the output")
+
+
+class Job(BaseModel):
+    """One generation request as queued in the model's job stream."""
+
+    request_id: str
+    model: str
+    reply_channel: str = Field(description="pub/sub channel the worker publishes this job's events to")
+    input_ids: list[int] = Field(min_length=1)
+    params: SamplingParams
+    decoder_input_details: bool = Field(False, description="return log-probs of the prompt tokens")
+    enqueued_at: float = Field(description="unix time the API queued the job")
+
+
+class TokenInfo(BaseModel):
+    """One token with its decoded piece and log-probability (null only for the first prompt token)."""
+
+    id: int
+    text: str
+    logprob: float | None
+    special: bool
+
+
+class Finish(BaseModel):
+    """Sent with the last token of a request."""
+
+    finish_reason: FinishReason
+    generated_tokens: int
+    prompt_tokens: int
+    seed: int
+    generated_text: str = Field(description="decoded output, stop sequence excluded")
+    prefill: list[TokenInfo] = Field(default_factory=list)
+
+
+class TokenEvent(BaseModel):
+    """One generated token. ``text`` is the delta to append: the deltas of a request concatenate to its
+    ``generated_text`` (text that may still turn into a stop sequence is held back until it cannot)."""
+
+    type: Literal["token"] = "token"
+    index: int = Field(ge=0, description="0-based position of the token in the output")
+    token: TokenInfo
+    finish: Finish | None = None
+
+
+class ErrorEvent(BaseModel):
+    """Generation failed; no further events follow for the request."""
+
+    type: Literal["error"] = "error"
+    message: str
+    error_type: str = "generation"
+
+
+Event = Annotated[Union[TokenEvent, ErrorEvent], Field(discriminator="type")]
+EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
+
+
+def decode_event(raw: bytes | str) -> TokenEvent | ErrorEvent:
+    """Parse one pub/sub payload."""
+    return EVENT_ADAPTER.validate_json(raw)

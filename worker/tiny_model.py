@@ -1,0 +1,105 @@
+"""Make a tiny, reproducible Hugging Face model folder for development, tests and benchmarks.
+
+No model can be downloaded where this project is built and tested, so it makes its own: a byte-level BPE
+tokenizer trained with ``tokenizers`` on ``data/corpus.txt`` (code, English and Chinese) and a seeded,
+randomly initialised Llama model saved with ``save_pretrained``. Everything else loads the folder with the
+ordinary ``from_pretrained`` code, exactly as it would load a real model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+CORPUS = Path(__file__).with_name("data") / "corpus.txt"
+BOS, EOS, UNK, PAD = "<s>", "</s>", "<unk>", "<pad>"
+
+
+def _train_tokenizer(vocab_size: int):
+    """Byte-level BPE with BOS/EOS, wrapped as a transformers fast tokenizer that adds BOS like Llama."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[UNK, BOS, EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train([str(CORPUS)], trainer)
+    bos_id = tokenizer.token_to_id(BOS)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, unk_token=UNK, pad_token=PAD
+    )
+
+
+def make_tiny_model(out_dir: Path, *, vocab_size: int = 4096, seed: int = 0) -> Path:
+    """Write the tokenizer and model to ``out_dir`` (atomically: a half-written folder is never seen)."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = _train_tokenizer(vocab_size)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        # A wider init than the default 0.02 spreads the logits of a random model, so greedy decoding
+        # rarely meets near-ties that batched and unbatched float arithmetic could resolve differently.
+        initializer_range=0.1,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    )
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    staging.chmod(0o755)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    try:
+        os.rename(staging, out_dir)
+    except OSError:  # another process finished the same folder first: keep theirs
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_dir
+
+
+def ensure_tiny_model(out_dir: Path) -> Path:
+    """Make the model folder unless a complete one is already there."""
+    if not (Path(out_dir) / "config.json").exists():
+        make_tiny_model(out_dir)
+    return Path(out_dir)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path, help="folder to write the model to")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vocab-size", type=int, default=4096)
+    args = parser.parse_args(argv)
+    path = make_tiny_model(args.out_dir, vocab_size=args.vocab_size, seed=args.seed)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
