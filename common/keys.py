@@ -5,6 +5,8 @@
 - ``ferry:{model}:workers``: the consumer group all workers of that model read from. A pool (cpu, cuda,
   npu) is a set of consumers in that group: a second group on the same stream would receive every job a
   second time, so pools of one model share the group and differ only in consumer names.
+- ``ferry:{model}:heartbeats``: sorted set of the model's worker consumers, scored by the unix time
+  their heartbeat expires; a worker is alive while its score is in the future.
 - ``ferry:events:{api_id}:{request_id}``: the per-request pub/sub channel. Each API pod pattern-subscribes
   to ``ferry:events:{api_id}:*`` once at start-up, so it is subscribed to a request's channel before it
   queues the request's job and no first token can be missed.
@@ -26,6 +28,10 @@ def worker_group(model: str) -> str:
 
 def consumer_name(pool: str, host: str, pid: int) -> str:
     return f"{pool}:{host}:{pid}"
+
+
+def heartbeats(model: str) -> str:
+    return f"{PREFIX}:{model}:heartbeats"
 
 
 def events_pattern(api_id: str) -> str:

@@ -62,7 +62,6 @@ class Settings(BaseSettings):
     max_input_token_len: int = Field(
         2047, gt=0, validation_alias=_spec("maxInputTokenLen", "MAX_INPUT_TOKEN_LEN")
     )
-    max_stop_sequences: int = Field(1024, ge=0, validation_alias=_spec("maxStopSequences", "MAX_STOP_SEQUENCES"))
     full_text_enabled: bool = Field(False, validation_alias=_spec("fullTextEnabled", "FULL_TEXT_ENABLED"))
     tgi_stream_format: Literal["list", "int"] = Field(
         "list", validation_alias=_spec("tgiStreamFormat", "TGI_STREAM_FORMAT")

@@ -1,0 +1,72 @@
+"""The explicit per-app state of an API pod (no module-level globals)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import Request
+from redis.asyncio import Redis
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from api.relay import EventRelay
+from common.settings import Settings
+
+MAX_INPUT_TOKENS_HARD_CAP = 1024 * 1024  # SPEC.md: the token limit never exceeds 1 Mi
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the API needs to know about the served model: its tokenizer and size limits."""
+
+    model_id: str
+    path: Path
+    tokenizer: PreTrainedTokenizerBase
+    vocab_size: int
+    max_position_embeddings: int
+    dtype: str
+
+    @classmethod
+    def load(cls, settings: Settings) -> "ModelInfo":
+        path = settings.resolved_model_path
+        config = json.loads((path / "config.json").read_text())
+        vocab_size = int(config.get("padded_vocab_size") or config["vocab_size"])
+        return cls(
+            model_id=settings.served_model_name,
+            path=path,
+            tokenizer=AutoTokenizer.from_pretrained(path),
+            vocab_size=vocab_size,
+            max_position_embeddings=int(config.get("max_position_embeddings") or MAX_INPUT_TOKENS_HARD_CAP),
+            dtype=str(config.get("torch_dtype") or config.get("dtype") or settings.dtype),
+        )
+
+
+@dataclass
+class ServerContext:
+    """Everything a request handler needs; one per app, held on ``app.state.ctx``."""
+
+    settings: Settings
+    redis: Redis
+    relay: EventRelay
+    model: ModelInfo
+    api_id: str
+
+    @property
+    def max_input_tokens(self) -> int:
+        """SPEC.md: min(maxInputTokenLen, maxSeqLen - 1, max_position_embeddings, 1 Mi)."""
+        return min(
+            self.settings.max_input_token_len,
+            self.settings.max_seq_len - 1,
+            self.model.max_position_embeddings,
+            MAX_INPUT_TOKENS_HARD_CAP,
+        )
+
+    @property
+    def max_total_tokens(self) -> int:
+        return min(self.settings.max_seq_len, self.model.max_position_embeddings)
+
+
+def get_ctx(request: Request) -> ServerContext:
+    """FastAPI dependency: the app's context."""
+    return request.app.state.ctx

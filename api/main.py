@@ -1,0 +1,28 @@
+"""``ferry-api``: run one API pod against the Redis named by REDIS_URL (scale by running more)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import uvicorn
+
+from api.app import create_app
+from common.settings import Settings
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--redis-url", help="overrides REDIS_URL")
+    parser.add_argument("--model-path", help="model folder (tokenizer and config.json); overrides MODEL_PATH")
+    parser.add_argument("--host", help="overrides HOST")
+    parser.add_argument("--port", type=int, help="overrides PORT")
+    args = parser.parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if v is not None}
+    settings = Settings(**overrides)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+
+
+if __name__ == "__main__":
+    main()

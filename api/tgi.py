@@ -1,0 +1,264 @@
+"""TGI 0.9.4 compatible routes: ``POST /``, ``/generate``, ``/generate_stream``, ``/info``, ``/health``.
+
+A thin translation: validate the TGI body, build a :class:`GenerationRequest`, run it through
+:mod:`api.pipeline`, shape the tokens as TGI does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Literal
+
+import anyio
+import orjson
+from fastapi import APIRouter, Depends, Header
+from fastapi.responses import JSONResponse, Response
+from sse_starlette import EventSourceResponse
+
+from api import __version__
+from api.context import ServerContext, get_ctx
+from api.health import live_workers
+from api.errors import VALIDATION_PREFIX, ProtocolError, error_route_class
+from api.pipeline import (
+    REQUEST_ID_PATTERN,
+    GenerationError,
+    GenerationRequest,
+    GenerationResult,
+    effective_max_new_tokens,
+    generate,
+    new_request_id,
+    random_seed,
+    stream_tokens,
+)
+from api.relay import DuplicateRequestId
+from api.tgi_schemas import (
+    MAX_STOP_ITEMS,
+    TGIDetails,
+    TGIErrorResponse,
+    TGIGenerateResponse,
+    TGIInfo,
+    TGIPrefillToken,
+    TGIRequest,
+    TGIStreamDetails,
+    TGIStreamResponse,
+    TGIStreamToken,
+    TGIToken,
+)
+from common.protocol import SamplingParams, TokenEvent
+
+StreamIdFormat = Literal["list", "int"]
+
+
+def render_tgi_error(exc: ProtocolError) -> Response:
+    return JSONResponse({"error": exc.message, "error_type": exc.error_type}, status_code=exc.status)
+
+
+router = APIRouter(route_class=error_route_class(render_tgi_error), tags=["TGI"])
+
+ERROR_RESPONSES = {
+    422: {"model": TGIErrorResponse, "description": "Input validation error"},
+    424: {"model": TGIErrorResponse, "description": "Generation error"},
+}
+SSE_KEEPALIVE_SECONDS = 15
+
+
+def _invalid(message: str) -> ProtocolError:
+    return ProtocolError(422, VALIDATION_PREFIX + message, "validation")
+
+
+def _request_id(header: str | None) -> str:
+    """The client's ``x-request-id`` when well formed (it names the request for cancel/logs), else a new one."""
+    if header is None:
+        return new_request_id()
+    if not REQUEST_ID_PATTERN.match(header):
+        raise _invalid("`x-request-id` must be 1 to 256 characters of letters, digits, '_' or '-'")
+    return header
+
+
+async def to_generation_request(
+    ctx: ServerContext, body: TGIRequest, request_id: str, stream: bool
+) -> GenerationRequest:
+    """Apply the rules that need the tokenizer and the server limits, and resolve every default."""
+    params = body.parameters
+    if stream and params.decoder_input_details:
+        raise _invalid("`decoder_input_details` == true is not supported when streaming tokens")
+    assert isinstance(body.inputs, str)  # the schema rejects list inputs for this text-only model
+    input_ids: list[int] = (await anyio.to_thread.run_sync(ctx.model.tokenizer, body.inputs))["input_ids"]
+    if params.truncate is not None:
+        input_ids = input_ids[-params.truncate :]
+    if len(input_ids) > ctx.max_input_tokens:
+        raise _invalid(f"`inputs` must have less than {ctx.max_input_tokens} tokens. Given: {len(input_ids)}")
+    sampling = SamplingParams(
+        do_sample=params.sampling,
+        temperature=params.temperature if params.temperature is not None else 1.0,
+        top_k=min(params.top_k or 0, ctx.model.vocab_size),
+        top_p=params.top_p if params.top_p is not None else 1.0,
+        typical_p=params.typical_p if params.typical_p is not None else 1.0,
+        repetition_penalty=params.repetition_penalty if params.repetition_penalty is not None else 1.0,
+        seed=params.seed if params.seed is not None else random_seed(),
+        max_new_tokens=effective_max_new_tokens(ctx, params.max_new_tokens),
+        stop=params.stop or [],
+    )
+    return GenerationRequest(
+        request_id=request_id,
+        input_ids=input_ids,
+        params=sampling,
+        decoder_input_details=bool(params.decoder_input_details),
+    )
+
+
+def _full_text(body: TGIRequest, generated: str) -> str:
+    return f"{body.inputs}{generated}" if body.parameters.return_full_text else generated
+
+
+def _generate_response(body: TGIRequest, result: GenerationResult) -> TGIGenerateResponse:
+    details = None
+    if body.parameters.wants_details:
+        finish = result.finish
+        details = TGIDetails(
+            finish_reason=finish.finish_reason,
+            generated_tokens=finish.generated_tokens,
+            prompt_tokens=finish.prompt_tokens,
+            seed=finish.seed,
+            prefill=[TGIPrefillToken(id=t.id, text=t.text, logprob=t.logprob) for t in finish.prefill],
+            tokens=[TGIToken(**t.model_dump()) for t in result.tokens],
+        )
+    return TGIGenerateResponse(generated_text=_full_text(body, result.finish.generated_text), details=details)
+
+
+async def _run(ctx: ServerContext, body: TGIRequest, request_id: str) -> TGIGenerateResponse:
+    request = await to_generation_request(ctx, body, request_id, stream=False)
+    try:
+        result = await generate(ctx, request)
+    except DuplicateRequestId:
+        raise _invalid(f"a request with id '{request_id}' is already in flight") from None
+    except GenerationError as exc:
+        raise ProtocolError(424, exc.message, exc.error_type) from None
+    return _generate_response(body, result)
+
+
+def _dump(model: TGIGenerateResponse) -> dict:
+    return model.model_dump(exclude={"details"} if model.details is None else set())
+
+
+async def _sse_events(
+    ctx: ServerContext, body: TGIRequest, request: GenerationRequest, id_format: StreamIdFormat
+) -> AsyncIterator[str]:
+    """TGI stream events, compact JSON one per line; a failure after the start is a final error event."""
+    text_so_far = ""
+    try:
+        async for event in stream_tokens(ctx, request):
+            text_so_far += event.token.text
+            yield _stream_event(ctx, body, event, text_so_far, id_format).model_dump_json()
+    except DuplicateRequestId:
+        yield orjson.dumps({"error": f"request id '{request.request_id}' is already in flight",
+                            "error_type": "validation"}).decode()
+    except GenerationError as exc:
+        yield orjson.dumps({"error": exc.message, "error_type": exc.error_type}).decode()
+
+
+def _stream_event(
+    ctx: ServerContext, body: TGIRequest, event: TokenEvent, text_so_far: str, id_format: StreamIdFormat
+) -> TGIStreamResponse:
+    token = event.token
+    text = text_so_far if ctx.settings.full_text_enabled else token.text
+    response = TGIStreamResponse(
+        token=TGIStreamToken(
+            id=[token.id] if id_format == "list" else token.id,
+            text=text,
+            logprob=token.logprob,
+            special=token.special,
+        )
+    )
+    if event.finish is not None:
+        response.generated_text = _full_text(body, event.finish.generated_text)
+        if body.parameters.wants_details:
+            response.details = TGIStreamDetails(
+                finish_reason=event.finish.finish_reason,
+                generated_tokens=event.finish.generated_tokens,
+                prompt_tokens=event.finish.prompt_tokens,
+                seed=event.finish.seed,
+            )
+    return response
+
+
+async def _stream(
+    ctx: ServerContext, body: TGIRequest, request_id: str, id_format: StreamIdFormat
+) -> EventSourceResponse:
+    request = await to_generation_request(ctx, body, request_id, stream=True)
+    return EventSourceResponse(
+        _sse_events(ctx, body, request, id_format),
+        sep="\n",
+        ping=SSE_KEEPALIVE_SECONDS,
+        headers={"x-request-id": request_id},
+    )
+
+
+Ctx = Annotated[ServerContext, Depends(get_ctx)]
+RequestIdHeader = Annotated[str | None, Header(alias="x-request-id")]
+
+
+@router.post(
+    "/",
+    responses={**ERROR_RESPONSES, 200: {"model": list[TGIGenerateResponse], "description": "list of one "
+                                        "generation, or an SSE stream of TGIStreamResponse when stream=true"}},
+    summary="Generate text (TGI compatible; list response, or SSE when stream is true)",
+)
+async def compat_generate(body: TGIRequest, ctx: Ctx, x_request_id: RequestIdHeader = None) -> Response:
+    request_id = _request_id(x_request_id)
+    if body.stream:
+        return await _stream(ctx, body, request_id, ctx.settings.tgi_stream_format)
+    result = await _run(ctx, body, request_id)
+    return JSONResponse([_dump(result)], headers={"x-request-id": request_id})
+
+
+@router.post("/generate", responses={**ERROR_RESPONSES, 200: {"model": TGIGenerateResponse}})
+async def generate_route(body: TGIRequest, ctx: Ctx, x_request_id: RequestIdHeader = None) -> Response:
+    request_id = _request_id(x_request_id)
+    result = await _run(ctx, body, request_id)
+    return JSONResponse(_dump(result), headers={"x-request-id": request_id})
+
+
+@router.post(
+    "/generate_stream",
+    responses={**ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}, "description": "TGIStreamResponse events"}},
+)
+async def generate_stream_route(body: TGIRequest, ctx: Ctx, x_request_id: RequestIdHeader = None) -> Response:
+    return await _stream(ctx, body, _request_id(x_request_id), "int")
+
+
+@router.get("/info", response_model=TGIInfo)
+async def info(ctx: Ctx) -> TGIInfo:
+    settings = ctx.settings
+    return TGIInfo(
+        model_id=ctx.model.model_id,
+        model_sha=None,
+        model_dtype=ctx.model.dtype,
+        model_device_type=settings.device.split(":", 1)[0],
+        model_pipeline_tag="text-generation",
+        max_concurrent_requests=settings.max_batch_size,
+        max_best_of=1,
+        max_stop_sequences=MAX_STOP_ITEMS,
+        max_input_length=ctx.max_input_tokens,
+        max_total_tokens=ctx.max_total_tokens,
+        waiting_served_ratio=1.2,
+        max_batch_total_tokens=settings.max_batch_total_tokens,
+        max_waiting_tokens=20,
+        validation_workers=1,
+        version=__version__,
+        sha=None,
+        docker_label=None,
+    )
+
+
+@router.get("/health", responses={503: {"model": TGIErrorResponse}})
+async def health(ctx: Ctx) -> Response:
+    """200 when Redis answers and at least one worker of the model is alive."""
+    try:
+        workers = await live_workers(ctx.redis, ctx.model.model_id, time.time())
+    except Exception as exc:  # Redis unreachable: unhealthy, never a 500
+        raise ProtocolError(503, f"Redis is unreachable: {exc}", "unhealthy") from None
+    if workers == 0:
+        raise ProtocolError(503, f"no live worker serves model {ctx.model.model_id}", "unhealthy")
+    return Response(status_code=200)

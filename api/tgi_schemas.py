@@ -1,0 +1,261 @@
+"""Request and response shapes of the TGI 0.9.4 compatible routes, with SPEC.md section 1's rules.
+
+Field rules live on the models (one validator per rule, messages worded like TGI's ``validation.rs``);
+rules that need the tokenizer or server limits live in :func:`api.tgi.to_generation_request`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from common.protocol import FinishReason
+
+MAX_INPUT_CHARS = 4 * 1024 * 1024
+MAX_STOP_ITEMS = 1024
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOTAL_CHARS = 32768
+UINT32_MAX_PARAM = 2147483647
+UINT64_MAX = 2**64 - 1
+ADAPTER_ID = re.compile(r"^[A-Za-z0-9._/-]{1,256}$")
+NO_ADAPTER = "None"
+
+
+class TGIParameters(BaseModel):
+    """``parameters`` of a TGI request. ``null`` means unset for every field; unknown fields are ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    best_of: int | None = None
+    decoder_input_details: bool | None = None
+    details: bool | None = None
+    do_sample: bool | None = None
+    max_new_tokens: int | None = None
+    repetition_penalty: float | None = None
+    return_full_text: bool | None = None
+    seed: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    truncate: int | None = None
+    typical_p: float | None = None
+    watermark: bool | None = None
+    stop: list[str] | str | None = None
+    adapter_id: str | None = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v: int | None) -> int | None:
+        if v is not None and v != 1:
+            raise ValueError(f"`best_of` != 1 is not supported by this server. Given: {v}")
+        return v
+
+    @field_validator("max_new_tokens")
+    @classmethod
+    def _max_new_tokens(cls, v: int | None) -> int | None:
+        if v is not None and not 0 < v <= UINT32_MAX_PARAM:
+            raise ValueError(f"`max_new_tokens` must be strictly positive and <= {UINT32_MAX_PARAM}. Given: {v}")
+        return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition_penalty(cls, v: float | None) -> float | None:
+        if v is not None and v <= 0.0:
+            raise ValueError("`repetition_penalty` must be strictly positive")
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: int | None) -> int | None:
+        if v is not None and not 0 < v <= UINT64_MAX:
+            raise ValueError(f"`seed` must be > 0 and <= {UINT64_MAX}. Given: {v}")
+        return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float | None) -> float | None:
+        if v is not None and v <= 1e-6:
+            raise ValueError(f"`temperature` must be strictly positive (> 1e-06). Given: {v}")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int | None) -> int | None:
+        if v is not None and not 0 < v <= UINT32_MAX_PARAM:
+            raise ValueError(f"`top_k` must be strictly positive and <= {UINT32_MAX_PARAM}. Given: {v}")
+        return v
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v: float | None) -> float | None:
+        if v is not None and not 1e-6 < v < 1.0:
+            raise ValueError(f"`top_p` must be > 1e-06 and < 1.0. Given: {v}")
+        return v
+
+    @field_validator("truncate")
+    @classmethod
+    def _truncate(cls, v: int | None) -> int | None:
+        if v is not None and not 0 < v <= UINT32_MAX_PARAM:
+            raise ValueError(f"`truncate` must be strictly positive and <= {UINT32_MAX_PARAM}. Given: {v}")
+        return v
+
+    @field_validator("typical_p")
+    @classmethod
+    def _typical_p(cls, v: float | None) -> float | None:
+        if v is not None and not 0.0 < v <= 1.0:
+            raise ValueError(f"`typical_p` must be > 0.0 and <= 1.0. Given: {v}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: list[str] | str | None) -> list[str]:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP_ITEMS:
+            raise ValueError(f"`stop` supports up to {MAX_STOP_ITEMS} stop sequences. Given: {len(stops)}")
+        for item in stops:
+            if not 1 <= len(item) <= MAX_STOP_CHARS:
+                raise ValueError(
+                    f"each `stop` sequence must have 1 to {MAX_STOP_CHARS} characters. Given: {len(item)}"
+                )
+        total = sum(len(item) for item in stops)
+        if total > MAX_STOP_TOTAL_CHARS:
+            raise ValueError(f"`stop` sequences must total at most {MAX_STOP_TOTAL_CHARS} characters. Given: {total}")
+        return stops
+
+    @field_validator("adapter_id")
+    @classmethod
+    def _adapter_id(cls, v: str | None) -> str | None:
+        if v is not None and not ADAPTER_ID.match(v):
+            raise ValueError(
+                "`adapter_id` must be 1 to 256 characters of letters, digits, '.', '-', '_' or '/'"
+            )
+        if v is not None and v != NO_ADAPTER:
+            raise ValueError(f"`adapter_id` '{v}' is not loaded on this server (no LoRA adapters are configured)")
+        return v
+
+    @property
+    def wants_details(self) -> bool:
+        return bool(self.details or self.decoder_input_details)
+
+    @property
+    def sampling(self) -> bool:
+        """SPEC.md: explicit do_sample wins; unset, any active warper turns sampling on."""
+        if self.do_sample is not None:
+            return self.do_sample
+        return (
+            (self.temperature is not None and self.temperature != 1.0)
+            or self.top_k is not None
+            or self.top_p is not None
+            or (self.typical_p is not None and self.typical_p < 1.0)
+        )
+
+
+class TGIRequest(BaseModel):
+    """Body of ``POST /``, ``/generate`` and ``/generate_stream``."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    inputs: str | list[dict[str, Any]]
+    parameters: TGIParameters = Field(default_factory=TGIParameters)
+    stream: bool = False
+
+    @field_validator("parameters", mode="before")
+    @classmethod
+    def _null_parameters(cls, v: Any) -> Any:
+        return {} if v is None else v
+
+    @field_validator("stream", mode="before")
+    @classmethod
+    def _null_stream(cls, v: Any) -> Any:
+        return False if v is None else v
+
+    @field_validator("inputs")
+    @classmethod
+    def _inputs(cls, v: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+        if isinstance(v, list):
+            raise ValueError(
+                "`inputs` must be a string: the served model is text-only and takes no multimodal list input"
+            )
+        if not v:
+            raise ValueError("`inputs` cannot be empty")
+        if len(v) > MAX_INPUT_CHARS:
+            raise ValueError(f"`inputs` must have at most {MAX_INPUT_CHARS} characters. Given: {len(v)}")
+        return v
+
+
+class TGIToken(BaseModel):
+    id: int
+    text: str
+    logprob: float | None
+    special: bool
+
+
+class TGIPrefillToken(BaseModel):
+    id: int
+    text: str
+    logprob: float | None
+
+
+class TGIDetails(BaseModel):
+    finish_reason: FinishReason
+    generated_tokens: int
+    prompt_tokens: int
+    seed: int | None
+    prefill: list[TGIPrefillToken]
+    tokens: list[TGIToken]
+
+
+class TGIGenerateResponse(BaseModel):
+    """One generation; ``details`` is left out of the JSON unless requested."""
+
+    generated_text: str
+    details: TGIDetails | None = None
+
+
+class TGIStreamToken(BaseModel):
+    id: int | list[int] = Field(description="a list on `POST /` (seed format), an int on /generate_stream")
+    text: str
+    logprob: float | None
+    special: bool
+
+
+class TGIStreamDetails(BaseModel):
+    finish_reason: FinishReason
+    generated_tokens: int
+    prompt_tokens: int
+    seed: int | None
+
+
+class TGIStreamResponse(BaseModel):
+    token: TGIStreamToken
+    generated_text: str | None = None
+    details: TGIStreamDetails | None = None
+
+
+class TGIErrorResponse(BaseModel):
+    error: str
+    error_type: Literal["validation", "generation", "overloaded", "incomplete_generation", "unhealthy"] | str
+
+
+class TGIInfo(BaseModel):
+    """``GET /info`` as TGI 0.9.4 reports it."""
+
+    model_id: str
+    model_sha: str | None
+    model_dtype: str
+    model_device_type: str
+    model_pipeline_tag: str | None
+    max_concurrent_requests: int
+    max_best_of: int
+    max_stop_sequences: int
+    max_input_length: int
+    max_total_tokens: int
+    waiting_served_ratio: float
+    max_batch_total_tokens: int
+    max_waiting_tokens: int
+    validation_workers: int
+    version: str
+    sha: str | None
+    docker_label: str | None
