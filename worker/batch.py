@@ -1,0 +1,149 @@
+"""The tensors of a running batch and the three things done to them: prefill, decode, filter/merge.
+
+Rows are left-padded to a common cache width, so a decode step is one forward pass of shape [batch, 1]
+whatever the rows' lengths: the attention mask hides each row's padding and explicit position ids keep
+every row's positions starting at 0, exactly as if it ran alone. Rows that finish are filtered out and
+padding columns no remaining row needs are trimmed; newly prefilled rows are merged in by left-padding
+the narrower of the two caches. The KV cache is a ``transformers`` ``DynamicCache``, built and rebuilt
+only through its public ``update`` API.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from common.protocol import SamplingParams
+from worker.sampling import BatchSampler
+
+
+class DecodeBatch:
+    """Left-padded KV cache plus per-row state; row order is the order of the engine's running list."""
+
+    def __init__(
+        self,
+        cache: DynamicCache,
+        attention_mask: torch.Tensor,
+        next_ids: torch.Tensor,
+        positions: torch.Tensor,
+        sampler: BatchSampler,
+    ) -> None:
+        self.cache = cache
+        self.attention_mask = attention_mask  # [batch, cache width], 0 on left padding
+        self.next_ids = next_ids  # [batch, 1]: the last chosen token, not yet in the cache
+        self.positions = positions  # [batch, 1]: position id of next_ids
+        self.sampler = sampler
+
+    @classmethod
+    def prefill(
+        cls,
+        model: PreTrainedModel,
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[SamplingParams],
+        pad_id: int,
+        prompt_details: Sequence[bool],
+    ) -> tuple["DecodeBatch", torch.Tensor, torch.Tensor, list[list[float] | None]]:
+        """Run the prompts through the model in one left-padded pass and choose each row's first token.
+
+        Returns the batch, the chosen ids and their logprobs, and for rows that asked for details the
+        logprob of each prompt token after the first. Full-sequence logits are only materialised then.
+        """
+        width = max(len(prompt) for prompt in prompts)
+        padded = [[pad_id] * (width - len(prompt)) + list(prompt) for prompt in prompts]
+        mask = [[0] * (width - len(prompt)) + [1] * len(prompt) for prompt in prompts]
+        input_ids = torch.tensor(padded, dtype=torch.long, device=model.device)
+        attention_mask = torch.tensor(mask, dtype=torch.long, device=model.device)
+        positions = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        logits = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=0 if any(prompt_details) else 1,
+        ).logits
+        sampler = BatchSampler.create(params, prompts, logits.shape[-1], model.device)
+        ids, logprobs = sampler(logits[:, -1, :])
+        prompt_logprobs = [
+            _prompt_logprobs(logits[row], prompt) if details else None
+            for row, (prompt, details) in enumerate(zip(prompts, prompt_details))
+        ]
+        batch = cls(cache, attention_mask, ids[:, None], positions[:, -1:] + 1, sampler)
+        return batch, ids, logprobs, prompt_logprobs
+
+    @property
+    def size(self) -> int:
+        return self.next_ids.shape[0]
+
+    def decode(self, model: PreTrainedModel) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed every row's last token, append it to the cache and choose the next one."""
+        attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones((self.size, 1))], dim=1)
+        logits = model(
+            input_ids=self.next_ids,
+            attention_mask=attention_mask,
+            position_ids=self.positions,
+            past_key_values=self.cache,
+            use_cache=True,
+        ).logits
+        self.attention_mask = attention_mask
+        ids, logprobs = self.sampler(logits[:, -1, :])
+        self.next_ids = ids[:, None]
+        self.positions = self.positions + 1
+        return ids, logprobs
+
+    def filter(self, keep: list[int]) -> None:
+        """Keep only the rows ``keep`` (in that order) and drop leading columns that are padding in all."""
+        index = torch.tensor(keep, dtype=torch.long, device=self.next_ids.device)
+        attention_mask = self.attention_mask[index]
+        start = int(attention_mask.any(dim=0).int().argmax())
+        self.attention_mask = attention_mask[:, start:]
+        self.cache = _build_cache((keys[index, :, start:], values[index, :, start:]) for keys, values in self.cache)
+        self.next_ids = self.next_ids[index]
+        self.positions = self.positions[index]
+        self.sampler = self.sampler.select(keep)
+
+    def merge(self, other: "DecodeBatch") -> None:
+        """Append the rows of ``other``, left-padding whichever cache is narrower."""
+        width = max(self.attention_mask.shape[1], other.attention_mask.shape[1])
+        self.attention_mask = _stack_left_padded([self.attention_mask, other.attention_mask], width, seq_dim=1)
+        self.cache = _build_cache(
+            (_stack_left_padded([keys, other_keys], width, seq_dim=2), _stack_left_padded([values, other_values], width, seq_dim=2))
+            for (keys, values), (other_keys, other_values) in zip(self.cache, other.cache)
+        )
+        self.next_ids = torch.cat([self.next_ids, other.next_ids])
+        self.positions = torch.cat([self.positions, other.positions])
+        self.sampler = BatchSampler.concat(self.sampler, other.sampler)
+
+
+def _prompt_logprobs(logits: torch.Tensor, prompt: Sequence[int]) -> list[float]:
+    """log-softmax of each position's logits at the next prompt token (``logits`` is one left-padded row)."""
+    width = logits.shape[0]
+    scores = logits[width - len(prompt) : width - 1].float()
+    targets = torch.tensor(prompt[1:], dtype=torch.long, device=logits.device)
+    return (scores.gather(1, targets[:, None]).squeeze(1) - scores.logsumexp(dim=-1)).tolist()
+
+
+def _stack_left_padded(tensors: list[torch.Tensor], width: int, seq_dim: int) -> torch.Tensor:
+    """Concatenate along the batch dimension, right-aligning each tensor's ``seq_dim`` in ``width`` zeros."""
+    first = tensors[0]
+    shape = list(first.shape)
+    shape[0] = sum(tensor.shape[0] for tensor in tensors)
+    shape[seq_dim] = width
+    out = first.new_zeros(shape)
+    row = 0
+    for tensor in tensors:
+        rows, length = tensor.shape[0], tensor.shape[seq_dim]
+        out.narrow(0, row, rows).narrow(seq_dim, width - length, length).copy_(tensor)
+        row += rows
+    return out
+
+
+def _build_cache(layers: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    """A new cache holding the given (keys, values) of each layer, in layer order."""
+    cache = DynamicCache()
+    for layer, (keys, values) in enumerate(layers):
+        cache.update(keys, values, layer)
+    return cache

@@ -1,0 +1,136 @@
+"""Next-token choice for a whole batch at once, each row with its own sampling parameters.
+
+Every parameter is a per-row tensor, so one step costs a handful of batched tensor ops whatever the mix of
+requests. The only per-row Python work is drawing one uniform number from each sampling row's own
+``torch.Generator``: sampling is done by inverting the row's CDF with that number, so a request's tokens
+depend on its seed and its logits only, never on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from common.protocol import SamplingParams
+
+
+class BatchSampler:
+    """Per-row sampling state of a batch: parameters, seeded generators and the token-presence mask that
+    the repetition penalty needs (prompt and generated ids of every row)."""
+
+    def __init__(
+        self,
+        params: Sequence[SamplingParams],
+        generators: list[torch.Generator],
+        presence: torch.Tensor,
+    ) -> None:
+        device = presence.device
+        self.params = list(params)
+        self.generators = generators
+        self.presence = presence
+        self.temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        self.top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
+        self.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        self.penalty = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device)
+        self.sample_rows = [i for i, p in enumerate(params) if p.do_sample]
+        sampled = [params[i] for i in self.sample_rows]
+        self.any_penalty = any(p.repetition_penalty != 1.0 for p in params)
+        self.any_top_k = any(p.top_k > 0 for p in sampled)
+        self.any_top_p = any(p.top_p < 1.0 for p in sampled)
+
+    @classmethod
+    def create(
+        cls, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]], vocab_size: int, device: torch.device
+    ) -> "BatchSampler":
+        """State for freshly prefilled rows: a generator seeded with each request's seed, presence = prompt."""
+        generators = [torch.Generator().manual_seed(p.seed) for p in params]
+        presence = torch.zeros(len(params), vocab_size, dtype=torch.bool, device=device)
+        for row, ids in enumerate(prompts):
+            presence[row, torch.tensor(ids, dtype=torch.long, device=device)] = True
+        return cls(params, generators, presence)
+
+    def select(self, rows: list[int]) -> "BatchSampler":
+        """The state of the kept rows, in the given order."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.presence.device)
+        return BatchSampler(
+            [self.params[r] for r in rows], [self.generators[r] for r in rows], self.presence[index]
+        )
+
+    @classmethod
+    def concat(cls, first: "BatchSampler", second: "BatchSampler") -> "BatchSampler":
+        """The rows of ``first`` followed by the rows of ``second``."""
+        return cls(
+            first.params + second.params,
+            first.generators + second.generators,
+            torch.cat([first.presence, second.presence]),
+        )
+
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Choose one token per row from ``logits`` [batch, vocab]; returns (ids, logprobs of the chosen ids
+        under the distribution actually sampled from), and records the ids for the repetition penalty."""
+        logits = logits.float()
+        if self.any_penalty:
+            logits = self._apply_penalty(logits)
+        ids = logits.argmax(dim=-1)
+        logprobs = logits.gather(1, ids[:, None]).squeeze(1) - logits.logsumexp(dim=-1)
+        if self.sample_rows:
+            if len(self.sample_rows) == len(self.params):
+                ids, logprobs = self._sample(logits, slice(None))
+            else:
+                rows = torch.tensor(self.sample_rows, dtype=torch.long, device=logits.device)
+                sampled_ids, sampled_logprobs = self._sample(logits[rows], rows)
+                ids = ids.index_copy(0, rows, sampled_ids)
+                logprobs = logprobs.index_copy(0, rows, sampled_logprobs)
+        self.presence.scatter_(1, ids[:, None], True)
+        return ids, logprobs
+
+    def _apply_penalty(self, logits: torch.Tensor) -> torch.Tensor:
+        """Hugging Face repetition penalty: seen tokens' positive logits are divided by it, negative ones
+        multiplied (a row with penalty 1.0 is left bit-identical)."""
+        penalty = self.penalty[:, None]
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        return torch.where(self.presence, penalized, logits)
+
+    def _sample(self, logits: torch.Tensor, rows: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Temperature, then top-k, then top-p (Hugging Face's warper order) and one draw per row."""
+        logits = logits / self.temperature[rows][:, None]
+        order = None
+        if self.any_top_k or self.any_top_p:
+            # Stable sort: ties keep vocabulary order, so the draw does not depend on the batch.
+            logits, order = logits.sort(dim=-1, descending=True, stable=True)
+            if self.any_top_k:
+                logits = self._top_k(logits, self.top_k[rows])
+            if self.any_top_p:
+                logits = self._top_p(logits, self.top_p[rows])
+        logprobs = logits.log_softmax(dim=-1)
+        cdf = logprobs.exp().cumsum(dim=-1)
+        total = cdf[:, -1:]
+        uniforms = torch.tensor(
+            [torch.rand(1, generator=self.generators[r]).item() for r in self.sample_rows],
+            dtype=torch.float32,
+        ).to(logits.device)[:, None]
+        # The first index whose CDF exceeds u * total has a non-zero probability; clamping the threshold
+        # below the total keeps rounding from ever selecting a masked (zero-probability) tail token.
+        threshold = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
+        position = torch.searchsorted(cdf, threshold, right=True)
+        chosen_logprobs = logprobs.gather(1, position).squeeze(1)
+        ids = position if order is None else order.gather(1, position)
+        return ids.squeeze(1), chosen_logprobs
+
+    @staticmethod
+    def _top_k(sorted_logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+        """Keep the k best logits of each row (ties with the k-th kept); k = 0 or k >= vocab keeps all."""
+        vocab = sorted_logits.shape[-1]
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+        kth = sorted_logits.gather(1, (k - 1)[:, None])
+        return sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+
+    @staticmethod
+    def _top_p(sorted_logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+        """Keep the smallest prefix of the sorted distribution whose mass reaches p (at least one token);
+        rows with p = 1.0 are untouched, so rounding in the cumulative sum cannot cut their tail."""
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+        return sorted_logits.masked_fill(drop, float("-inf"))
