@@ -12,13 +12,19 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+import anyio
 from pydantic import BaseModel, Field
 
 from api.context import ServerContext
+from api.health import live_workers
 from common import keys
 from common.protocol import ErrorEvent, Finish, Job, SamplingParams, TokenEvent, TokenInfo, decode_event
 
 REQUEST_ID_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,256}$")
+# SPEC.md's limits on stop strings, the same on every route that takes them.
+MAX_STOP_ITEMS = 1024
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOTAL_CHARS = 32768
 
 
 class GenerationError(Exception):
@@ -53,6 +59,36 @@ def new_request_id() -> str:
 def random_seed() -> int:
     """A server-chosen seed in the spec's range (0, 2^64-1], sent with the job so a retry reproduces it."""
     return secrets.randbelow(2**64 - 1) + 1
+
+
+def validate_stop(value: list[str] | str | None) -> list[str]:
+    """The stop strings as a list (a string is one item, null or [] none), within SPEC.md's limits."""
+    stops = [value] if isinstance(value, str) else (value or [])
+    if len(stops) > MAX_STOP_ITEMS:
+        raise ValueError(f"`stop` supports up to {MAX_STOP_ITEMS} stop sequences. Given: {len(stops)}")
+    for item in stops:
+        if not 1 <= len(item) <= MAX_STOP_CHARS:
+            raise ValueError(f"each `stop` sequence must have 1 to {MAX_STOP_CHARS} characters. Given: {len(item)}")
+    total = sum(len(item) for item in stops)
+    if total > MAX_STOP_TOTAL_CHARS:
+        raise ValueError(f"`stop` sequences must total at most {MAX_STOP_TOTAL_CHARS} characters. Given: {total}")
+    return stops
+
+
+async def tokenize(ctx: ServerContext, text: str) -> list[int]:
+    """The prompt's token ids, computed off the event loop (a long prompt takes a while)."""
+    return (await anyio.to_thread.run_sync(ctx.model.tokenizer, text))["input_ids"]
+
+
+async def unready_reason(ctx: ServerContext) -> str | None:
+    """Why the pod cannot serve now (Redis down, no live worker of the model), or None when it can."""
+    try:
+        workers = await live_workers(ctx.redis, ctx.model.model_id, time.time())
+    except Exception as exc:  # Redis unreachable: not ready, never a 500
+        return f"Redis is unreachable: {exc}"
+    if workers == 0:
+        return f"no live worker serves model {ctx.model.model_id}"
+    return None
 
 
 def effective_max_new_tokens(ctx: ServerContext, requested: int | None, default: int = 20) -> int:

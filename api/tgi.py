@@ -6,11 +6,9 @@ A thin translation: validate the TGI body, build a :class:`GenerationRequest`, r
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Literal
 
-import anyio
 import orjson
 from fastapi import APIRouter, Depends, Header
 from fastapi.responses import JSONResponse, Response
@@ -18,9 +16,9 @@ from sse_starlette import EventSourceResponse
 
 from api import __version__
 from api.context import ServerContext, get_ctx
-from api.health import live_workers
 from api.errors import VALIDATION_PREFIX, ProtocolError, error_route_class
 from api.pipeline import (
+    MAX_STOP_ITEMS,
     REQUEST_ID_PATTERN,
     GenerationError,
     GenerationRequest,
@@ -30,10 +28,11 @@ from api.pipeline import (
     new_request_id,
     random_seed,
     stream_tokens,
+    tokenize,
+    unready_reason,
 )
 from api.relay import DuplicateRequestId
 from api.tgi_schemas import (
-    MAX_STOP_ITEMS,
     TGIDetails,
     TGIErrorResponse,
     TGIGenerateResponse,
@@ -84,7 +83,7 @@ async def to_generation_request(
     if stream and params.decoder_input_details:
         raise _invalid("`decoder_input_details` == true is not supported when streaming tokens")
     assert isinstance(body.inputs, str)  # the schema rejects list inputs for this text-only model
-    input_ids: list[int] = (await anyio.to_thread.run_sync(ctx.model.tokenizer, body.inputs))["input_ids"]
+    input_ids = await tokenize(ctx, body.inputs)
     if params.truncate is not None:
         input_ids = input_ids[-params.truncate :]
     if len(input_ids) > ctx.max_input_tokens:
@@ -255,10 +254,7 @@ async def info(ctx: Ctx) -> TGIInfo:
 @router.get("/health", responses={503: {"model": TGIErrorResponse}})
 async def health(ctx: Ctx) -> Response:
     """200 when Redis answers and at least one worker of the model is alive."""
-    try:
-        workers = await live_workers(ctx.redis, ctx.model.model_id, time.time())
-    except Exception as exc:  # Redis unreachable: unhealthy, never a 500
-        raise ProtocolError(503, f"Redis is unreachable: {exc}", "unhealthy") from None
-    if workers == 0:
-        raise ProtocolError(503, f"no live worker serves model {ctx.model.model_id}", "unhealthy")
+    reason = await unready_reason(ctx)
+    if reason is not None:
+        raise ProtocolError(503, reason, "unhealthy")
     return Response(status_code=200)

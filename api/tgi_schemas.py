@@ -11,12 +11,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from api.pipeline import validate_stop
 from common.protocol import FinishReason
 
 MAX_INPUT_CHARS = 4 * 1024 * 1024
-MAX_STOP_ITEMS = 1024
-MAX_STOP_CHARS = 1024
-MAX_STOP_TOTAL_CHARS = 32768
 UINT32_MAX_PARAM = 2147483647
 UINT64_MAX = 2**64 - 1
 ADAPTER_ID = re.compile(r"^[A-Za-z0-9._/-]{1,256}$")
@@ -111,18 +109,7 @@ class TGIParameters(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stop(cls, v: list[str] | str | None) -> list[str]:
-        stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > MAX_STOP_ITEMS:
-            raise ValueError(f"`stop` supports up to {MAX_STOP_ITEMS} stop sequences. Given: {len(stops)}")
-        for item in stops:
-            if not 1 <= len(item) <= MAX_STOP_CHARS:
-                raise ValueError(
-                    f"each `stop` sequence must have 1 to {MAX_STOP_CHARS} characters. Given: {len(item)}"
-                )
-        total = sum(len(item) for item in stops)
-        if total > MAX_STOP_TOTAL_CHARS:
-            raise ValueError(f"`stop` sequences must total at most {MAX_STOP_TOTAL_CHARS} characters. Given: {total}")
-        return stops
+        return validate_stop(v)
 
     @field_validator("adapter_id")
     @classmethod
