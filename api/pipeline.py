@@ -21,6 +21,7 @@ from common import keys
 from common.protocol import ErrorEvent, Finish, Job, SamplingParams, TokenEvent, TokenInfo, decode_event
 
 REQUEST_ID_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,256}$")
+MAX_INPUT_CHARS = 4 * 1024 * 1024  # SPEC.md: a text prompt has at most 4 MiB of characters
 # SPEC.md's limits on stop strings, the same on every route that takes them.
 MAX_STOP_ITEMS = 1024
 MAX_STOP_CHARS = 1024

@@ -11,10 +11,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from api.pipeline import validate_stop
+from api.pipeline import MAX_INPUT_CHARS, validate_stop
 from common.protocol import FinishReason
 
-MAX_INPUT_CHARS = 4 * 1024 * 1024
 UINT32_MAX_PARAM = 2147483647
 UINT64_MAX = 2**64 - 1
 ADAPTER_ID = re.compile(r"^[A-Za-z0-9._/-]{1,256}$")
