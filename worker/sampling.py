@@ -36,8 +36,7 @@ class BatchSampler:
         self.sample_rows = [i for i, p in enumerate(params) if p.do_sample]
         sampled = [params[i] for i in self.sample_rows]
         self.any_penalty = any(p.repetition_penalty != 1.0 for p in params)
-        self.any_top_k = any(p.top_k > 0 for p in sampled)
-        self.any_top_p = any(p.top_p < 1.0 for p in sampled)
+        self.any_truncation = any(p.top_k > 0 or p.top_p < 1.0 for p in sampled)
 
     @classmethod
     def create(
@@ -95,14 +94,8 @@ class BatchSampler:
     def _sample(self, logits: torch.Tensor, rows: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Temperature, then top-k, then top-p (Hugging Face's warper order) and one draw per row."""
         logits = logits / self.temperature[rows][:, None]
-        order = None
-        if self.any_top_k or self.any_top_p:
-            # Stable sort: ties keep vocabulary order, so the draw does not depend on the batch.
-            logits, order = logits.sort(dim=-1, descending=True, stable=True)
-            if self.any_top_k:
-                logits = self._top_k(logits, self.top_k[rows])
-            if self.any_top_p:
-                logits = self._top_p(logits, self.top_p[rows])
+        if self.any_truncation:
+            logits = self._truncate(logits, self.top_k[rows], self.top_p[rows])
         logprobs = logits.log_softmax(dim=-1)
         cdf = logprobs.exp().cumsum(dim=-1)
         total = cdf[:, -1:]
@@ -113,10 +106,18 @@ class BatchSampler:
         # The first index whose CDF exceeds u * total has a non-zero probability; clamping the threshold
         # below the total keeps rounding from ever selecting a masked (zero-probability) tail token.
         threshold = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
-        position = torch.searchsorted(cdf, threshold, right=True)
-        chosen_logprobs = logprobs.gather(1, position).squeeze(1)
-        ids = position if order is None else order.gather(1, position)
-        return ids.squeeze(1), chosen_logprobs
+        ids = torch.searchsorted(cdf, threshold, right=True)
+        return ids.squeeze(1), logprobs.gather(1, ids).squeeze(1)
+
+    @classmethod
+    def _truncate(cls, logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+        """Mask the logits below each row's top-k / top-p cut-off. The cut-off is found on sorted logits but
+        applied in vocabulary order, so a row samples the same way whether or not its batch needed a sort."""
+        ranked = logits.sort(dim=-1, descending=True).values
+        ranked = cls._top_p(cls._top_k(ranked, top_k), top_p)
+        kept = torch.isfinite(ranked).sum(dim=-1, keepdim=True).clamp(min=1)
+        cutoff = ranked.gather(1, kept - 1)
+        return logits.masked_fill(logits < cutoff, float("-inf"))
 
     @staticmethod
     def _top_k(sorted_logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
