@@ -1,0 +1,69 @@
+"""BatchSampler on hand-made logits: each warper keeps exactly the tokens it should, with the right logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from common.protocol import SamplingParams
+from worker.sampling import BatchSampler
+
+# probabilities 0.4, 0.3, 0.2, 0.1 over a vocabulary of 4
+LOGITS = torch.tensor([[math.log(p) for p in (0.4, 0.3, 0.2, 0.1)]])
+
+
+def sampler(n: int = 1, **params: object) -> BatchSampler:
+    rows = [SamplingParams(seed=seed, max_new_tokens=1, **params) for seed in range(n)]
+    return BatchSampler.create(rows, [[0]] * n, LOGITS.shape[1], torch.device("cpu"))
+
+
+def draws(**params: object) -> tuple[set[int], dict[int, float]]:
+    """Sample 200 rows (seeds 0..199) once; return the ids seen and the logprob reported for each."""
+    ids, logprobs = sampler(200, **params)(LOGITS.expand(200, -1))
+    return set(ids.tolist()), dict(zip(ids.tolist(), logprobs.tolist()))
+
+
+def test_greedy_takes_argmax_with_its_logprob() -> None:
+    ids, logprobs = sampler()(LOGITS)
+    assert ids.tolist() == [0] and logprobs.item() == pytest.approx(math.log(0.4))
+
+
+def test_top_k_keeps_the_k_best_and_renormalises() -> None:
+    seen, logprobs = draws(do_sample=True, top_k=2)
+    assert seen == {0, 1}
+    assert logprobs[0] == pytest.approx(math.log(0.4 / 0.7)) and logprobs[1] == pytest.approx(math.log(0.3 / 0.7))
+
+
+def test_top_k_beyond_the_vocabulary_keeps_everything() -> None:
+    assert draws(do_sample=True, top_k=100)[0] == {0, 1, 2, 3}
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:
+    seen, logprobs = draws(do_sample=True, top_p=0.5)  # 0.4 < 0.5, 0.4 + 0.3 >= 0.5
+    assert seen == {0, 1}
+    assert logprobs[0] == pytest.approx(math.log(0.4 / 0.7))
+
+
+def test_temperature_sharpens_the_sampled_distribution() -> None:
+    seen, logprobs = draws(do_sample=True, temperature=0.5)
+    expected = torch.log_softmax(LOGITS[0] / 0.5, dim=-1)
+    assert seen == {0, 1, 2, 3}
+    assert all(logprobs[i] == pytest.approx(expected[i].item(), abs=1e-5) for i in seen)
+
+
+def test_repetition_penalty_applies_to_seen_tokens_only() -> None:
+    logits = torch.tensor([[2.0, 1.9, -1.0, -1.0]])
+    rows = [SamplingParams(seed=0, max_new_tokens=1, repetition_penalty=2.0)]
+    choose = BatchSampler.create(rows, [[0, 2]], 4, torch.device("cpu"))
+    ids, logprobs = choose(logits)  # token 0: 2.0 -> 1.0, token 2: -1.0 -> -2.0
+    assert ids.tolist() == [1]
+    assert logprobs.item() == pytest.approx(torch.log_softmax(torch.tensor([1.0, 1.9, -2.0, -1.0]), -1)[1].item())
+    ids, _ = choose(logits)  # token 1 is now penalised as well
+    assert ids.tolist() == [0]
+
+
+def test_same_seed_same_draws() -> None:
+    a, b = sampler(1, do_sample=True), sampler(1, do_sample=True)
+    assert [a(LOGITS)[0].item() for _ in range(20)] == [b(LOGITS)[0].item() for _ in range(20)]
