@@ -66,6 +66,9 @@ class Settings(BaseSettings):
     tgi_stream_format: Literal["list", "int"] = Field(
         "list", validation_alias=_spec("tgiStreamFormat", "TGI_STREAM_FORMAT")
     )
+    kserve_output_includes_prompt: bool = Field(
+        True, validation_alias=_spec("kserveOutputIncludesPrompt", "KSERVE_OUTPUT_INCLUDES_PROMPT")
+    )
 
     # Worker engine
     device: str = Field("cpu", validation_alias=_spec("device", "DEVICE"))
