@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
-from api import __version__, tgi
+from api import __version__, kserve, tgi
 from api.context import ModelInfo, ServerContext
 from api.relay import EventRelay
 from common.settings import Settings
@@ -41,4 +41,5 @@ def create_app(settings: Settings, redis: Redis | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.include_router(tgi.router)
+    app.include_router(kserve.router)
     return app

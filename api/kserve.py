@@ -1,0 +1,331 @@
+"""KServe v2 / Triton routes under ``/v2``: token inference (SPEC.md section 2), health, metadata, and
+Triton's generate extension (``/generate``, ``/generate_stream``).
+
+A thin translation over :mod:`api.pipeline`, like :mod:`api.tgi`. Every error is KServe's
+``{"error": "..."}``: 400 for a bad request, 404 for an unknown model, 503 when not ready, 500 when
+generation fails. The infer route reads its body itself because Triton clients send tensors with the
+binary tensor data extension by default: a JSON header of ``Inference-Header-Content-Length`` bytes,
+then the raw little-endian tensor bytes. Responses use it when the request asks (Triton's rule).
+
+Output ``data`` holds the prompt ids followed by the generated ids (the seed's example), or only the
+generated ids with ``KSERVE_OUTPUT_INCLUDES_PROMPT=false``. The prompt is echoed exactly as sent: the
+server adds no BOS the client did not send. The model has no versions: ``versions`` is empty,
+``model_version`` is ``""`` and ``/v2/models/{model}/versions/{v}/...`` answers 400.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+import numpy as np
+import orjson
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from sse_starlette import EventSourceResponse
+
+from api import __version__
+from api.context import ServerContext, get_ctx
+from api.errors import VALIDATION_PREFIX, ProtocolError, error_route_class, validation_error
+from api.kserve_schemas import (
+    DATATYPE,
+    INPUT_NAME,
+    OUTPUT_NAME,
+    KServeErrorResponse,
+    KServeGenerateRequest,
+    KServeGenerateResponse,
+    KServeInferRequest,
+    KServeInferResponse,
+    KServeInput,
+    KServeModelMetadata,
+    KServeOutput,
+    KServeServerMetadata,
+    KServeTensorMetadata,
+    SamplingParameters,
+)
+from api.pipeline import (
+    GenerationError,
+    GenerationRequest,
+    GenerationResult,
+    effective_max_new_tokens,
+    generate,
+    new_request_id,
+    random_seed,
+    stream_tokens,
+    tokenize,
+    unready_reason,
+)
+from api.relay import DuplicateRequestId
+from common.protocol import SamplingParams
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+UINT32_LE = np.dtype("<u4")
+SERVER_NAME = "ferry"
+EXTENSIONS = ("binary_tensor_data", "parameters", "generate")
+PLATFORM = "pytorch_transformers"
+MODEL_VERSION = ""  # the model has no versions
+SSE_KEEPALIVE_SECONDS = 15
+
+
+def render_kserve_error(exc: ProtocolError) -> Response:
+    return JSONResponse({"error": exc.message}, status_code=exc.status)
+
+
+router = APIRouter(prefix="/v2", route_class=error_route_class(render_kserve_error, 400), tags=["KServe v2"])
+
+ERROR_RESPONSES = {
+    400: {"model": KServeErrorResponse, "description": "Bad request"},
+    404: {"model": KServeErrorResponse, "description": "Unknown model"},
+    500: {"model": KServeErrorResponse, "description": "Generation failed"},
+}
+NOT_READY = {503: {"model": KServeErrorResponse, "description": "No live worker serves the model"}}
+
+
+def _invalid(message: str) -> ProtocolError:
+    return ProtocolError(400, VALIDATION_PREFIX + message, "validation")
+
+
+Ctx = Annotated[ServerContext, Depends(get_ctx)]
+
+
+def known_model(model: str, ctx: Ctx) -> str:
+    """Route dependency: 404 for any model but the served one (checked before the body is validated)."""
+    if model != ctx.model.model_id:
+        raise ProtocolError(404, f"Model {model} not found.", "NotFoundError")
+    return model
+
+
+KnownModel = (Depends(known_model),)
+
+
+def parse_infer_body(raw: bytes, header_length: str | None) -> tuple[KServeInferRequest, bytes]:
+    """Split the body into its JSON header and binary tensor data, and validate the JSON."""
+    binary = b""
+    if header_length is not None:
+        try:
+            length = int(header_length)
+        except ValueError:
+            raise _invalid(f"the `{HEADER_LENGTH}` header must be an integer. Given: '{header_length}'") from None
+        if not 0 < length <= len(raw):
+            raise _invalid(f"the `{HEADER_LENGTH}` header must be > 0 and <= the body size {len(raw)}. Given: {length}")
+        raw, binary = raw[:length], raw[length:]
+    try:
+        return KServeInferRequest.model_validate_json(raw), binary
+    except ValidationError as exc:
+        raise validation_error(exc, 400) from None
+
+
+def _token_ids(tensor: KServeInput, binary: bytes) -> list[int]:
+    """``input0``'s ids, from ``data`` or from the binary data after the JSON header."""
+    size = tensor.parameters.binary_data_size
+    if size is None:
+        if binary:
+            raise _invalid(f"the body has {len(binary)} bytes after the JSON header but no input declares "
+                           "`parameters.binary_data_size`")
+        assert tensor.data is not None  # the schema requires data or binary_data_size
+        return tensor.data
+    if size != len(binary):
+        raise _invalid(f"`inputs[0].parameters.binary_data_size` is {size} but {len(binary)} bytes follow the JSON header")
+    if size != tensor.n * UINT32_LE.itemsize:
+        raise _invalid(f"`inputs[0]` of shape {tensor.shape} and datatype {DATATYPE} takes "
+                       f"{tensor.n * UINT32_LE.itemsize} bytes of binary data. Given: {size}")
+    return np.frombuffer(binary, dtype=UINT32_LE).tolist()
+
+
+def _check_prompt_length(ctx: ServerContext, field: str, count: int) -> None:
+    if count > ctx.max_input_tokens:
+        raise _invalid(f"`{field}` must have at most {ctx.max_input_tokens} tokens. Given: {count}")
+
+
+def _sampling(ctx: ServerContext, params: SamplingParameters, stop: list[str]) -> SamplingParams:
+    """Apply the rules that need the model and server limits, and resolve every default."""
+    vocab_size = ctx.model.vocab_size
+    if params.top_k is not None and params.top_k >= vocab_size:
+        raise _invalid(f"`top_k` must be < the vocabulary size {vocab_size}. Given: {params.top_k}")
+    limit = ctx.settings.max_iter_times
+    if params.max_new_tokens is not None and params.max_new_tokens > limit:
+        raise _invalid(f"`max_new_tokens` must be <= {limit} (maxIterTimes). Given: {params.max_new_tokens}")
+    return SamplingParams(
+        do_sample=bool(params.do_sample),
+        temperature=params.temperature if params.temperature is not None else 1.0,
+        top_k=params.top_k or 0,
+        top_p=params.top_p if params.top_p is not None else 1.0,
+        repetition_penalty=params.repetition_penalty if params.repetition_penalty is not None else 1.0,
+        seed=params.seed if params.seed is not None else random_seed(),
+        max_new_tokens=effective_max_new_tokens(ctx, params.max_new_tokens),
+        stop=stop,
+    )
+
+
+def to_generation_request(ctx: ServerContext, body: KServeInferRequest, binary: bytes = b"") -> GenerationRequest:
+    """The infer request as a pipeline request: its ids checked against the model, defaults resolved."""
+    ids = _token_ids(body.input, binary)
+    _check_prompt_length(ctx, "inputs[0].data", len(ids))
+    vocab_size = ctx.model.vocab_size
+    bad = next((i for i in ids if i >= vocab_size), None)
+    if bad is not None:
+        raise _invalid(f"`inputs[0].data` token ids must be < the vocabulary size {vocab_size}. Given: {bad}")
+    return GenerationRequest(
+        request_id=body.id or new_request_id(), input_ids=ids, params=_sampling(ctx, body.sampling, [])
+    )
+
+
+async def generate_to_generation_request(ctx: ServerContext, body: KServeGenerateRequest) -> GenerationRequest:
+    """The generate extension's request as a pipeline request: the text tokenized, defaults resolved."""
+    ids = await tokenize(ctx, body.text_input)
+    _check_prompt_length(ctx, "text_input", len(ids))
+    params = body.sampling
+    return GenerationRequest(
+        request_id=new_request_id(), input_ids=ids, params=_sampling(ctx, params, params.stop or [])
+    )
+
+
+async def _run(ctx: ServerContext, request: GenerationRequest) -> GenerationResult:
+    try:
+        return await generate(ctx, request)
+    except DuplicateRequestId:
+        raise _invalid(f"a request with id '{request.request_id}' is already in flight") from None
+    except GenerationError as exc:
+        raise ProtocolError(500, exc.message, exc.error_type) from None
+
+
+def infer_response(
+    ctx: ServerContext, body: KServeInferRequest, request: GenerationRequest, result: GenerationResult
+) -> Response:
+    """``output0`` as JSON ``data``, or as binary data after the JSON when the request asked for it."""
+    ids = [token.id for token in result.tokens]
+    if ctx.settings.kserve_output_includes_prompt:
+        ids = request.input_ids + ids
+    output = KServeOutput(shape=[1, len(ids)])
+    if body.binary_output:
+        output.parameters = {"binary_data_size": len(ids) * UINT32_LE.itemsize}
+    else:
+        output.data = ids
+    response = KServeInferResponse(id=request.request_id, model_name=ctx.model.model_id, outputs=[output])
+    header = response.model_dump_json(exclude_none=True).encode()
+    if not body.binary_output:
+        return Response(header, media_type="application/json")
+    return Response(
+        header + np.asarray(ids, dtype=UINT32_LE).tobytes(),
+        media_type="application/octet-stream",
+        headers={HEADER_LENGTH: str(len(header))},
+    )
+
+
+@router.post(
+    "/models/{model}/infer",
+    dependencies=KnownModel,
+    responses={**ERROR_RESPONSES, 200: {"model": KServeInferResponse}},
+    openapi_extra={"requestBody": {"required": True, "content": {
+        "application/json": {"schema": {"description": "KServeInferRequest (see SPEC.md section 2)"}},
+        "application/octet-stream": {"schema": {"description": f"JSON header of {HEADER_LENGTH} bytes, "
+                                                               "then the binary tensor data"}},
+    }}},
+)
+async def infer(request: Request, ctx: Ctx) -> Response:
+    """Token ids in, token ids out (SPEC.md section 2)."""
+    body, binary = parse_infer_body(await request.body(), request.headers.get(HEADER_LENGTH))
+    generation = to_generation_request(ctx, body, binary)
+    return infer_response(ctx, body, generation, await _run(ctx, generation))
+
+
+@router.post(
+    "/models/{model}/generate",
+    dependencies=KnownModel,
+    responses={**ERROR_RESPONSES, 200: {"model": KServeGenerateResponse}},
+)
+async def generate_route(body: KServeGenerateRequest, ctx: Ctx) -> KServeGenerateResponse:
+    """Triton's generate extension: text in, generated text out."""
+    result = await _run(ctx, await generate_to_generation_request(ctx, body))
+    return KServeGenerateResponse(
+        model_name=ctx.model.model_id, model_version=MODEL_VERSION, text_output=result.finish.generated_text
+    )
+
+
+async def _generate_events(ctx: ServerContext, request: GenerationRequest) -> AsyncIterator[str]:
+    """One event per token with its text delta; a failure after the start is a last ``{"error"}`` event."""
+    try:
+        async for event in stream_tokens(ctx, request):
+            yield KServeGenerateResponse(
+                model_name=ctx.model.model_id, model_version=MODEL_VERSION, text_output=event.token.text
+            ).model_dump_json()
+    except GenerationError as exc:
+        yield orjson.dumps({"error": exc.message}).decode()
+
+
+@router.post(
+    "/models/{model}/generate_stream",
+    dependencies=KnownModel,
+    responses={**ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}},
+                                        "description": "KServeGenerateResponse events, text_output the delta"}},
+)
+async def generate_stream_route(body: KServeGenerateRequest, ctx: Ctx) -> Response:
+    """The generate extension as SSE; the body is validated before the stream starts (400 otherwise)."""
+    request = await generate_to_generation_request(ctx, body)
+    return EventSourceResponse(_generate_events(ctx, request), sep="\n", ping=SSE_KEEPALIVE_SECONDS)
+
+
+@router.api_route(
+    "/models/{model}/versions/{version}",
+    methods=["GET", "POST"],
+    responses={400: {"model": KServeErrorResponse}},
+    include_in_schema=False,
+)
+@router.api_route(
+    "/models/{model}/versions/{version}/{rest:path}",
+    methods=["GET", "POST"],
+    responses={400: {"model": KServeErrorResponse}},
+    include_in_schema=False,
+)
+async def versioned(model: str, version: str) -> Response:
+    """SPEC.md: model versions are not supported; say so instead of a bare 404."""
+    raise ProtocolError(
+        400, f"model versions are not supported: use /v2/models/{model}/... without /versions/{version}", "validation"
+    )
+
+
+@router.get("/health/live")
+async def live() -> Response:
+    """200 while the process serves HTTP."""
+    return Response(status_code=200)
+
+
+async def _require_ready(ctx: ServerContext) -> Response:
+    reason = await unready_reason(ctx)
+    if reason is not None:
+        raise ProtocolError(503, reason, "unhealthy")
+    return Response(status_code=200)
+
+
+@router.get("/health/ready", responses=NOT_READY)
+async def ready(ctx: Ctx) -> Response:
+    """200 only while a worker of the model is alive (heartbeats in Redis), else 503."""
+    return await _require_ready(ctx)
+
+
+@router.get("/models/{model}/ready", dependencies=KnownModel, responses={**NOT_READY, 404: ERROR_RESPONSES[404]})
+async def model_ready(ctx: Ctx) -> Response:
+    """The served model is ready exactly when the server is: it is the only one."""
+    return await _require_ready(ctx)
+
+
+@router.get("", response_model=KServeServerMetadata)
+async def server_metadata() -> KServeServerMetadata:
+    return KServeServerMetadata(name=SERVER_NAME, version=__version__, extensions=list(EXTENSIONS))
+
+
+@router.get(
+    "/models/{model}",
+    dependencies=KnownModel,
+    response_model=KServeModelMetadata,
+    responses={404: ERROR_RESPONSES[404]},
+)
+async def model_metadata(ctx: Ctx) -> KServeModelMetadata:
+    return KServeModelMetadata(
+        name=ctx.model.model_id,
+        versions=[],
+        platform=PLATFORM,
+        inputs=[KServeTensorMetadata(name=INPUT_NAME, datatype=DATATYPE, shape=[1, -1])],
+        outputs=[KServeTensorMetadata(name=OUTPUT_NAME, datatype=DATATYPE, shape=[1, -1])],
+    )
