@@ -116,7 +116,7 @@ def test_info_and_health(stack: Stack) -> None:
 def test_text_generation_client(tgi_int_stack: Stack, reference) -> None:
     _, greedy = reference
     client = Client(tgi_int_stack.base_url, timeout=60)
-    response = client.generate(PROMPT, max_new_tokens=10, details=True, decoder_input_details=True)
+    response = client.generate(PROMPT, max_new_tokens=10, decoder_input_details=True)
     assert [t.id for t in response.details.tokens] == greedy(PROMPT, 10)
     assert response.details.finish_reason.value == "length"
     assert response.details.prefill[0].logprob is None
@@ -128,7 +128,7 @@ def test_text_generation_client(tgi_int_stack: Stack, reference) -> None:
 
 async def test_text_generation_async_client(tgi_int_stack: Stack) -> None:
     client = AsyncClient(tgi_int_stack.base_url, timeout=60)
-    response = await client.generate(PROMPT, max_new_tokens=5, details=True)
+    response = await client.generate(PROMPT, max_new_tokens=5)
     assert response.details.generated_tokens == 5
     tokens = [r.token.id async for r in client.generate_stream(PROMPT, max_new_tokens=5)]
     assert tokens == [t.id for t in response.details.tokens]
