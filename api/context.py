@@ -26,11 +26,15 @@ class ModelInfo:
     vocab_size: int
     max_position_embeddings: int
     dtype: str
+    default_top_k: int = 0
+
 
     @classmethod
     def load(cls, settings: Settings) -> "ModelInfo":
         path = settings.resolved_model_path
         config = json.loads((path / "config.json").read_text())
+        generation_file = path / "generation_config.json"
+        generation = json.loads(generation_file.read_text()) if generation_file.exists() else {}
         vocab_size = int(config.get("padded_vocab_size") or config["vocab_size"])
         return cls(
             model_id=settings.served_model_name,
@@ -39,6 +43,8 @@ class ModelInfo:
             vocab_size=vocab_size,
             max_position_embeddings=int(config.get("max_position_embeddings") or MAX_INPUT_TOKENS_HARD_CAP),
             dtype=str(config.get("torch_dtype") or config.get("dtype") or settings.dtype),
+            # SPEC.md: an unset top_k means the model's default, from generation_config.json, then config.json
+            default_top_k=int(next((src["top_k"] for src in (generation, config) if src.get("top_k") is not None), 0)),
         )
 
 

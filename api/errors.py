@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException
 from pydantic import ValidationError
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,11 @@ def error_route_class(
                     return await handler(request)
                 except RequestValidationError as exc:
                     return render(validation_error(exc, validation_status))
+                except HTTPException as exc:  # FastAPI could not read the body (bad UTF-8, JSON too deep)
+                    if exc.status_code != 400:
+                        raise
+                    message = f"{VALIDATION_PREFIX}the body could not be parsed as JSON: {exc.detail}"
+                    return render(ProtocolError(validation_status, message, "validation"))
                 except ProtocolError as exc:
                     return render(exc)
 

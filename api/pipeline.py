@@ -62,9 +62,19 @@ def random_seed() -> int:
     return secrets.randbelow(2**64 - 1) + 1
 
 
+def check_text(field: str, value: str) -> str:
+    """Reject text that is not valid Unicode (a JSON escape like "\\ud800" yields a lone surrogate), which
+    neither the tokenizer nor the job's JSON could carry."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"`{field}` must be valid Unicode text: it contains an unpaired surrogate") from None
+    return value
+
+
 def validate_stop(value: list[str] | str | None) -> list[str]:
     """The stop strings as a list (a string is one item, null or [] none), within SPEC.md's limits."""
-    stops = [value] if isinstance(value, str) else (value or [])
+    stops = [check_text("stop", value)] if isinstance(value, str) else [check_text("stop", s) for s in value or []]
     if len(stops) > MAX_STOP_ITEMS:
         raise ValueError(f"`stop` supports up to {MAX_STOP_ITEMS} stop sequences. Given: {len(stops)}")
     for item in stops:

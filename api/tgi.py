@@ -91,7 +91,7 @@ async def to_generation_request(
     sampling = SamplingParams(
         do_sample=params.sampling,
         temperature=params.temperature if params.temperature is not None else 1.0,
-        top_k=min(params.top_k or 0, ctx.model.vocab_size),
+        top_k=min(params.top_k if params.top_k is not None else ctx.model.default_top_k, ctx.model.vocab_size),
         top_p=params.top_p if params.top_p is not None else 1.0,
         typical_p=params.typical_p if params.typical_p is not None else 1.0,
         repetition_penalty=params.repetition_penalty if params.repetition_penalty is not None else 1.0,

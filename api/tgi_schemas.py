@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from api.pipeline import MAX_INPUT_CHARS, validate_stop
+from api.pipeline import MAX_INPUT_CHARS, check_text, validate_stop
 from common.protocol import FinishReason
 
 UINT32_MAX_PARAM = 2147483647
@@ -166,6 +166,7 @@ class TGIRequest(BaseModel):
             )
         if not v:
             raise ValueError("`inputs` cannot be empty")
+        check_text("inputs", v)
         if len(v) > MAX_INPUT_CHARS:
             raise ValueError(f"`inputs` must have at most {MAX_INPUT_CHARS} characters. Given: {len(v)}")
         return v

@@ -474,11 +474,6 @@ async def test_top_k_accepted_and_clamped_to_vocab_size(ctx, value):
     assert params.do_sample is True
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="SPEC.md section 1: unset top_k = model default (generation_config.json, then config.json); "
-    "to_generation_request always sends top_k=0 (off) and nothing reads generation_config.json",
-)
 @pytest.mark.parametrize(
     "generation_config, config, expected",
     [({"top_k": 40}, None, 40), (None, {"top_k": 30}, 30), ({"top_k": 40}, {"top_k": 30}, 40)],
@@ -710,21 +705,11 @@ def test_body_without_json_content_type_gets_a_tgi_error(client, content_type):
     assert set(response.json()) == {"error", "error_type"}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="invalid UTF-8 in the body is malformed JSON, but FastAPI's own 400 {'detail': 'There was an error "
-    "parsing the body'} escapes the TGI error route class (api/errors.py only catches RequestValidationError)",
-)
 def test_invalid_utf8_body_is_a_tgi_validation_error(lenient_client):
     response = post_raw(lenient_client, "/", b'{"inputs": "\xff\xfe hi"}')
     assert_validation_error(response, None)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a deeply nested body (RecursionError in json.loads) gets FastAPI's 400 {'detail': ...}, not a "
-    "TGI error body; SPEC.md: nesting depth is capped and TGI routes answer errors as {error, error_type}",
-)
 def test_too_deeply_nested_body_gets_a_tgi_error(lenient_client):
     raw = '{"inputs": "hi", "parameters": {"grammar": ' + "[" * 5000 + "]" * 5000 + "}}"
     response = post_raw(lenient_client, "/", raw)
@@ -738,21 +723,11 @@ def test_moderately_nested_unknown_field_is_ignored(client, accept_requests):
     assert len(accept_requests) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a lone UTF-16 surrogate in `inputs` makes the tokenizer raise TypeError inside "
-    "to_generation_request: 500 'Internal Server Error' (text/plain) instead of a 422",
-)
 def test_lone_surrogate_in_inputs_is_a_validation_error(lenient_client):
     response = post_raw(lenient_client, "/", '{"inputs": "hi \\ud800 there"}')
     assert_validation_error(response, "inputs")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a lone UTF-16 surrogate in `stop` passes validation and is queued; Job.model_dump_json() then "
-    "fails (surrogates not allowed) in api.pipeline.stream_tokens: 500 instead of a 422",
-)
 def test_lone_surrogate_in_stop_is_a_validation_error(lenient_client, monkeypatch):
     async def serialize_job_as_the_pipeline_does(ctx, request):
         Job(request_id=request.request_id, model="m", reply_channel="c", input_ids=request.input_ids,
