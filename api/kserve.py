@@ -171,7 +171,7 @@ def to_generation_request(ctx: ServerContext, body: KServeInferRequest, binary: 
     )
 
 
-async def generate_to_generation_request(ctx: ServerContext, body: KServeGenerateRequest) -> GenerationRequest:
+async def text_to_generation_request(ctx: ServerContext, body: KServeGenerateRequest) -> GenerationRequest:
     """The generate extension's request as a pipeline request: the text tokenized, defaults resolved."""
     ids = await tokenize(ctx, body.text_input)
     _check_prompt_length(ctx, "text_input", len(ids))
@@ -237,7 +237,7 @@ async def infer(request: Request, ctx: Ctx) -> Response:
 )
 async def generate_route(body: KServeGenerateRequest, ctx: Ctx) -> KServeGenerateResponse:
     """Triton's generate extension: text in, generated text out."""
-    result = await _run(ctx, await generate_to_generation_request(ctx, body))
+    result = await _run(ctx, await text_to_generation_request(ctx, body))
     return KServeGenerateResponse(
         model_name=ctx.model.model_id, model_version=MODEL_VERSION, text_output=result.finish.generated_text
     )
@@ -262,7 +262,7 @@ async def _generate_events(ctx: ServerContext, request: GenerationRequest) -> As
 )
 async def generate_stream_route(body: KServeGenerateRequest, ctx: Ctx) -> Response:
     """The generate extension as SSE; the body is validated before the stream starts (400 otherwise)."""
-    request = await generate_to_generation_request(ctx, body)
+    request = await text_to_generation_request(ctx, body)
     return EventSourceResponse(_generate_events(ctx, request), sep="\n", ping=SSE_KEEPALIVE_SECONDS)
 
 

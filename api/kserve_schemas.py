@@ -17,7 +17,7 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from api.pipeline import MAX_INPUT_CHARS, REQUEST_ID_PATTERN, validate_stop
+from api.pipeline import MAX_INPUT_CHARS, REQUEST_ID_PATTERN, check_text, validate_stop
 
 INPUT_NAME = "input0"
 OUTPUT_NAME = "output0"
@@ -300,7 +300,7 @@ class KServeGenerateRequest(GenerateParameters):
             raise ValueError("`text_input` cannot be empty")
         if len(v) > MAX_INPUT_CHARS:
             raise ValueError(f"`text_input` must have at most {MAX_INPUT_CHARS} characters. Given: {len(v)}")
-        return v
+        return check_text("text_input", v)
 
     @model_validator(mode="after")
     def _merge(self) -> KServeGenerateRequest:

@@ -26,7 +26,7 @@ import api.kserve
 from api.app import create_app
 from api.context import ModelInfo, ServerContext
 from api.kserve import (
-    generate_to_generation_request,
+    text_to_generation_request,
     infer_response,
     parse_infer_body,
     to_generation_request,
@@ -113,7 +113,7 @@ def resolve(ctx: ServerContext, body: dict[str, Any]) -> GenerationRequest:
 
 
 async def resolve_generate(ctx: ServerContext, body: dict[str, Any]) -> GenerationRequest:
-    return await generate_to_generation_request(ctx, KServeGenerateRequest.model_validate(body))
+    return await text_to_generation_request(ctx, KServeGenerateRequest.model_validate(body))
 
 
 def result_for(request: GenerationRequest, ids: list[int]) -> GenerationResult:
@@ -600,6 +600,8 @@ def test_metadata(client: TestClient) -> None:
         ({"text_input": None}, "`text_input`"),
         ({"text_input": ["a"]}, "`text_input`"),
         ({"text_input": "x" * (4 * 1024 * 1024 + 1)}, "`text_input` must have at most 4194304 characters"),
+        ({"text_input": "a\ud800b"}, "`text_input` must be valid Unicode text"),
+        ({"text_input": "x", "stop": ["\udfff"]}, "`stop` must be valid Unicode text"),
         ({"text_input": "x", "temperature": 0}, "`temperature` must be strictly positive"),
         ({"text_input": "x", "parameters": {"top_p": 1.5}}, "`top_p` must be > 0.0 and <= 1.0"),
         ({"text_input": "x", "parameters": {"seed": 0}}, "`seed` must be > 0"),
@@ -619,7 +621,8 @@ def test_metadata(client: TestClient) -> None:
     ],
 )
 def test_generate_rules(client: TestClient, route: str, body: dict[str, Any], fragment: str) -> None:
-    assert_kserve_error(client.post(route, json=body), 400, fragment)
+    raw = json.dumps(body)  # ASCII-escaped, so lone surrogates travel as JSON escapes, as a client may send them
+    assert_kserve_error(client.post(route, content=raw, headers={"content-type": "application/json"}), 400, fragment)
 
 
 def test_generate_top_k_below_the_vocabulary(client: TestClient, vocab_size: int) -> None:
