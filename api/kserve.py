@@ -126,7 +126,9 @@ def _token_ids(tensor: KServeInput, binary: bytes) -> list[int]:
         assert tensor.data is not None  # the schema requires data or binary_data_size
         return tensor.data
     if size != len(binary):
-        raise _invalid(f"`inputs[0].parameters.binary_data_size` is {size} but {len(binary)} bytes follow the JSON header")
+        raise _invalid(
+            f"`inputs[0].parameters.binary_data_size` is {size} but {len(binary)} bytes follow the JSON header"
+        )
     if size != tensor.n * UINT32_LE.itemsize:
         raise _invalid(f"`inputs[0]` of shape {tensor.shape} and datatype {DATATYPE} takes "
                        f"{tensor.n * UINT32_LE.itemsize} bytes of binary data. Given: {size}")

@@ -152,7 +152,8 @@ def test_generate_and_generate_stream(stack: Stack) -> None:
     one = httpx.post(f"{url}/generate", json={"text_input": PROMPT, "parameters": {"max_tokens": 10}}, timeout=60)
     assert one.status_code == 200, one.text
     assert one.json() == {"model_name": stack.model_name, "model_version": "", "text_output": tgi["generated_text"]}
-    with httpx.stream("POST", f"{url}/generate_stream", json={"text_input": PROMPT, "max_new_tokens": 10}, timeout=60) as resp:
+    stream_body = {"text_input": PROMPT, "max_new_tokens": 10}
+    with httpx.stream("POST", f"{url}/generate_stream", json=stream_body, timeout=60) as resp:
         assert resp.status_code == 200
         assert resp.headers["content-type"].startswith("text/event-stream")
         resp.read()

@@ -31,7 +31,7 @@ from api.kserve import (
     parse_infer_body,
     to_generation_request,
 )
-from api.kserve_schemas import KServeGenerateRequest, KServeInferRequest
+from api.kserve_schemas import KServeGenerateRequest, KServeInferRequest, SamplingParameters
 from api.pipeline import GenerationError, GenerationRequest, GenerationResult
 from api.relay import DuplicateRequestId, EventRelay
 from common import keys
@@ -258,9 +258,11 @@ def test_token_ids_must_be_below_the_vocabulary(client: TestClient, vocab_size: 
 
 
 def test_prompt_longer_than_the_input_limit(tiny_model_path: Path) -> None:
-    with TestClient(create_app(make_settings(tiny_model_path, max_input_token_len=4), redis=fakeredis.FakeAsyncRedis())) as c:
+    app = create_app(make_settings(tiny_model_path, max_input_token_len=4), redis=fakeredis.FakeAsyncRedis())
+    with TestClient(app) as c:
         assert_kserve_error(c.post(INFER, json=infer_body([1, 2, 3, 4, 5])), 400, "at most 4 tokens. Given: 5")
-        assert_kserve_error(c.post(GENERATE, json={"text_input": "a b c d e f g h i j"}), 400, "`text_input` must have at most 4 tokens")
+        long_text = {"text_input": "a b c d e f g h i j"}
+        assert_kserve_error(c.post(GENERATE, json=long_text), 400, "`text_input` must have at most 4 tokens")
 
 
 BAD_PARAMETERS = [
@@ -410,7 +412,7 @@ def test_token_id_edges(ctx: ServerContext, vocab_size: int) -> None:
 
 
 def test_null_means_unset_everywhere(ctx: ServerContext) -> None:
-    nulls = dict.fromkeys(["temperature", "top_k", "top_p", "do_sample", "seed", "repetition_penalty", "max_new_tokens"])
+    nulls = dict.fromkeys(SamplingParameters.model_fields)
     for place in PLACES:
         params = resolve(ctx, infer_body(place=place, **nulls)).params
         assert params.max_new_tokens == 20 and params.do_sample is False and params.temperature == 1.0
