@@ -122,7 +122,7 @@ class WorkerLoop:
         finished = []
         for out in outputs:
             pipe.publish(out.job.reply_channel, out.event.model_dump_json())
-            if out.event.finish is not None:
+            if out.finished:
                 finished.append(out.job.request_id)
         pipe.execute()
         self.ack(finished)
