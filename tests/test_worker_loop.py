@@ -1,0 +1,116 @@
+"""The worker's queue loop over fakeredis with the real engine: jobs in, events out, acknowledged."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import fakeredis
+import pytest
+
+from common import keys
+from common.protocol import ErrorEvent, Job, SamplingParams, TokenEvent, decode_event
+from common.settings import Settings
+from worker.engine import Engine
+from worker.main import WorkerLoop
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path: Path) -> Engine:
+    return Engine.load(Settings(model_path=tiny_model_path, max_seq_len=64))
+
+
+@pytest.fixture
+def loop(engine: Engine, tiny_model_path: Path) -> WorkerLoop:
+    settings = Settings(model_path=tiny_model_path, model_name="m")
+    worker = WorkerLoop(settings, fakeredis.FakeRedis(), engine)
+    worker.ensure_group()
+    return worker
+
+
+def queue_job(loop: WorkerLoop, request_id: str, input_ids: list[int], max_new_tokens: int = 3) -> Job:
+    job = Job(
+        request_id=request_id,
+        model="m",
+        reply_channel=f"reply:{request_id}",
+        input_ids=input_ids,
+        params=SamplingParams(seed=1, max_new_tokens=max_new_tokens),
+        enqueued_at=time.time(),
+    )
+    loop.redis.xadd(loop.stream, {keys.JOB_FIELD: job.model_dump_json()})
+    return job
+
+
+def run_until_idle(loop: WorkerLoop, subscriber) -> list[TokenEvent | ErrorEvent]:
+    """Run the loop until nothing is left, and return the events published meanwhile."""
+    loop.run_once()
+    while not loop.engine.idle:
+        loop.run_once()
+    events = []
+    while (message := subscriber.get_message(timeout=0.1)) is not None:
+        if message["type"] == "pmessage":
+            events.append(decode_event(message["data"]))
+    return events
+
+
+def subscribe(loop: WorkerLoop):
+    pubsub = loop.redis.pubsub()
+    pubsub.psubscribe("reply:*")
+    pubsub.get_message(timeout=1)  # the psubscribe confirmation
+    return pubsub
+
+
+def test_job_is_generated_published_and_acknowledged(loop: WorkerLoop) -> None:
+    subscriber = subscribe(loop)
+    queue_job(loop, "a", [1, 50, 60], max_new_tokens=3)
+    events = run_until_idle(loop, subscriber)
+    assert [e.index for e in events] == [0, 1, 2]
+    assert events[-1].finish is not None and events[-1].finish.finish_reason == "length"
+    assert loop.redis.xpending(loop.stream, loop.group)["pending"] == 0
+
+
+def test_job_that_cannot_fit_gets_an_error_and_is_acknowledged(loop: WorkerLoop) -> None:
+    subscriber = subscribe(loop)
+    queue_job(loop, "too-long", [5] * 100)  # engine max_seq_len is 64
+    queue_job(loop, "fine", [1, 7])
+    events = run_until_idle(loop, subscriber)
+    errors = [e for e in events if isinstance(e, ErrorEvent)]
+    assert len(errors) == 1 and "does not fit" in errors[0].message
+    assert any(isinstance(e, TokenEvent) and e.finish is not None for e in events)
+    assert loop.redis.xpending(loop.stream, loop.group)["pending"] == 0
+
+
+def test_malformed_job_is_dropped_and_others_still_served(loop: WorkerLoop) -> None:
+    subscriber = subscribe(loop)
+    loop.redis.xadd(loop.stream, {keys.JOB_FIELD: b"{not json"})
+    queue_job(loop, "ok", [1, 9])
+    events = run_until_idle(loop, subscriber)
+    assert events[-1].finish is not None
+    assert loop.redis.xpending(loop.stream, loop.group)["pending"] == 0
+
+
+def test_engine_failure_fails_the_batch_and_the_loop_keeps_serving(
+    loop: WorkerLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    subscriber = subscribe(loop)
+    queue_job(loop, "x", [1, 11], max_new_tokens=5)
+    queue_job(loop, "y", [1, 12], max_new_tokens=5)
+    original_step = loop.engine.step
+
+    def broken_step():
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(loop.engine, "step", broken_step)
+    loop.run_once()
+    monkeypatch.setattr(loop.engine, "step", original_step)
+    events = run_until_idle(loop, subscriber)
+    assert sorted(e.message for e in events if isinstance(e, ErrorEvent)) == ["generation failed: device lost"] * 2
+    assert loop.engine.idle and loop.redis.xpending(loop.stream, loop.group)["pending"] == 0
+    queue_job(loop, "z", [1, 13])
+    assert run_until_idle(loop, subscriber)[-1].finish is not None
+
+
+def test_heartbeat_marks_the_worker_alive(loop: WorkerLoop) -> None:
+    now = time.time()
+    loop.heartbeat(now)
+    assert loop.redis.zcount(keys.heartbeats("m"), now, "+inf") == 1
