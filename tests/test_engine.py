@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from common.protocol import ErrorEvent, Job, SamplingParams, TokenEvent
 from common.settings import Settings
+from worker.attention import PADDED_SDPA, use_padded_attention
 from worker.engine import Engine, StepOutput
 
 PROMPTS = [
@@ -31,7 +32,17 @@ _request_ids = itertools.count()
 
 @pytest.fixture(scope="module")
 def model(tiny_model_path: Path) -> PreTrainedModel:
+    """The stock model: the reference every engine output is compared with."""
     return AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_path: Path) -> PreTrainedModel:
+    """The model as ``Engine.load`` prepares it (padded-batch SDPA attention)."""
+    served = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    use_padded_attention(served)
+    assert served.config._attn_implementation == PADDED_SDPA
+    return served
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +122,11 @@ def greedy_reference(model: PreTrainedModel, input_ids: list[int], max_new_token
 # -- batching leaves greedy and seeded outputs unchanged ---------------------------------------------
 
 
-def test_greedy_batch_matches_generate_alone(model, tokenizer, prompts) -> None:
-    engine = make_engine(model, tokenizer, max_prefill_batch_size=3)
+@pytest.mark.parametrize("attention", [PADDED_SDPA, "sdpa", "eager"])
+def test_greedy_batch_matches_generate_alone(model, served, tokenizer, prompts, tiny_model_path, attention) -> None:
+    if attention != PADDED_SDPA:  # the 4D-mask path with transformers' SDPA, and the 2D-mask path
+        served = AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation=attention).eval()
+    engine = make_engine(served, tokenizer, max_prefill_batch_size=3)
     lengths = [12, 30, 7, 25, 18, 3, 40, 22]
     jobs = [make_job(ids, max_new_tokens=n) for ids, n in zip(prompts, lengths)]
     arrivals = {0: jobs[:4], 2: jobs[4:6], 5: jobs[6:7], 9: jobs[7:]}
@@ -126,10 +140,10 @@ def test_greedy_batch_matches_generate_alone(model, tokenizer, prompts) -> None:
         assert stream[-1].finish.generated_text == tokenizer.decode(token_ids(stream), skip_special_tokens=True)
 
 
-def test_greedy_logprobs_are_the_model_distribution(model, tokenizer, prompts) -> None:
+def test_greedy_logprobs_are_the_model_distribution(model, served, tokenizer, prompts) -> None:
     job = make_job(prompts[1], max_new_tokens=6)
     other = make_job(prompts[3], max_new_tokens=9)
-    events = run(make_engine(model, tokenizer), {0: [job, other]})
+    events = run(make_engine(served, tokenizer), {0: [job, other]})
     ids = torch.tensor([job.input_ids])
     output = model.generate(
         ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6,
@@ -148,11 +162,11 @@ SAMPLED = [
 ]
 
 
-def test_seeded_sampling_is_independent_of_the_batch(model, tokenizer, prompts) -> None:
+def test_seeded_sampling_is_independent_of_the_batch(served, tokenizer, prompts) -> None:
     alone = {}
     for i, params in enumerate(SAMPLED):
         job = make_job(prompts[i], max_new_tokens=24, **params)
-        alone[i] = run(make_engine(model, tokenizer), {0: [job]})[job.request_id]
+        alone[i] = run(make_engine(served, tokenizer), {0: [job]})[job.request_id]
     busy = [make_job(prompts[i], max_new_tokens=24, **params) for i, params in enumerate(SAMPLED)]
     noise = [
         make_job(prompts[4], max_new_tokens=5),
@@ -161,26 +175,26 @@ def test_seeded_sampling_is_independent_of_the_batch(model, tokenizer, prompts) 
         make_job(prompts[7], max_new_tokens=12, repetition_penalty=1.5),
     ]
     arrivals = {0: [noise[0], busy[0], noise[1]], 1: [busy[1]], 3: [noise[2], busy[2]], 4: [busy[3], noise[3]]}
-    events = run(make_engine(model, tokenizer, max_prefill_batch_size=2), arrivals)
+    events = run(make_engine(served, tokenizer, max_prefill_batch_size=2), arrivals)
     for i, job in enumerate(busy):
         stream = events[job.request_id]
         assert token_ids(stream) == token_ids(alone[i])
         assert [e.token.logprob for e in stream] == pytest.approx([e.token.logprob for e in alone[i]], abs=1e-4)
     other_seed = make_job(prompts[0], max_new_tokens=24, **{**SAMPLED[0], "seed": 12})
-    assert token_ids(run(make_engine(model, tokenizer), {0: [other_seed]})[other_seed.request_id]) != token_ids(alone[0])
+    assert token_ids(run(make_engine(served, tokenizer), {0: [other_seed]})[other_seed.request_id]) != token_ids(alone[0])
 
 
-def test_top_k_1_sampling_is_greedy_with_certain_tokens(model, tokenizer, prompts) -> None:
+def test_top_k_1_sampling_is_greedy_with_certain_tokens(model, served, tokenizer, prompts) -> None:
     job = make_job(prompts[2], max_new_tokens=10, do_sample=True, top_k=1, temperature=0.5, seed=3)
-    stream = run(make_engine(model, tokenizer), {0: [job]})[job.request_id]
+    stream = run(make_engine(served, tokenizer), {0: [job]})[job.request_id]
     assert token_ids(stream) == greedy_reference(model, job.input_ids, 10)
     assert all(event.token.logprob == 0.0 for event in stream)
 
 
-def test_repetition_penalty_matches_generate(model, tokenizer, prompts) -> None:
+def test_repetition_penalty_matches_generate(model, served, tokenizer, prompts) -> None:
     penalised = [make_job(prompts[i], max_new_tokens=30, repetition_penalty=p) for i, p in ((6, 1.3), (0, 0.3))]
     plain = make_job(prompts[3], max_new_tokens=20)
-    events = run(make_engine(model, tokenizer), {0: [penalised[0], plain], 2: [penalised[1]]})
+    events = run(make_engine(served, tokenizer), {0: [penalised[0], plain], 2: [penalised[1]]})
     for job in penalised:
         expected = greedy_reference(model, job.input_ids, 30, repetition_penalty=job.params.repetition_penalty)
         assert token_ids(events[job.request_id]) == expected
@@ -188,10 +202,10 @@ def test_repetition_penalty_matches_generate(model, tokenizer, prompts) -> None:
     assert token_ids(events[plain.request_id]) == greedy_reference(model, plain.input_ids, 20)
 
 
-def test_decoder_input_details_are_prompt_logprobs(model, tokenizer, prompts) -> None:
+def test_decoder_input_details_are_prompt_logprobs(model, served, tokenizer, prompts) -> None:
     job = make_job(prompts[3], max_new_tokens=3).model_copy(update={"decoder_input_details": True})
     longer = make_job(prompts[5], max_new_tokens=3)
-    events = run(make_engine(model, tokenizer), {0: [job, longer]})
+    events = run(make_engine(served, tokenizer), {0: [job, longer]})
     prefill = events[job.request_id][-1].finish.prefill
     assert events[longer.request_id][-1].finish.prefill == []
     assert [token.id for token in prefill] == job.input_ids
@@ -206,10 +220,10 @@ def test_decoder_input_details_are_prompt_logprobs(model, tokenizer, prompts) ->
 # -- finish reasons ---------------------------------------------------------------------------------
 
 
-def test_eos_from_a_generation_config_list(model, tokenizer, prompts) -> None:
+def test_eos_from_a_generation_config_list(model, served, tokenizer, prompts) -> None:
     reference = greedy_reference(model, prompts[1], 20)
     stop_at = 6
-    eos_model = copy.deepcopy(model)
+    eos_model = copy.deepcopy(served)
     eos_model.generation_config.eos_token_id = [tokenizer.eos_token_id, reference[stop_at]]
     job = make_job(prompts[1], max_new_tokens=20)
     stream = run(make_engine(eos_model, tokenizer), {0: [job]})[job.request_id]
@@ -219,9 +233,9 @@ def test_eos_from_a_generation_config_list(model, tokenizer, prompts) -> None:
     assert stream[-1].finish.generated_tokens == first + 1
 
 
-def test_special_eos_token_is_emitted_with_empty_text(model, tokenizer, prompts) -> None:
+def test_special_eos_token_is_emitted_with_empty_text(model, served, tokenizer, prompts) -> None:
     reference = greedy_reference(model, prompts[0], 20)
-    eos_model = copy.deepcopy(model)
+    eos_model = copy.deepcopy(served)
     with torch.no_grad():  # make the EOS logit a multiple of the logit of a token greedy decoding picks
         eos_model.lm_head.weight[tokenizer.eos_token_id] = 3 * eos_model.lm_head.weight[reference[4]]
     job = make_job(prompts[0], max_new_tokens=20)
@@ -239,14 +253,14 @@ def test_special_eos_token_is_emitted_with_empty_text(model, tokenizer, prompts)
     assert events[job.request_id][-1].finish.finish_reason == "eos_token"
 
 
-def test_stop_sequence_cuts_the_text(model, tokenizer, prompts) -> None:
+def test_stop_sequence_cuts_the_text(model, served, tokenizer, prompts) -> None:
     reference = greedy_reference(model, prompts[3], 40)
     full_text = tokenizer.decode(reference, skip_special_tokens=True)
     stop = full_text[25:31]
     assert stop and full_text.find(stop) == 25
     job = make_job(prompts[3], max_new_tokens=40, stop=["never-generated", stop])
     other = make_job(prompts[0], max_new_tokens=40, stop=["never-generated"])
-    events = run(make_engine(model, tokenizer), {0: [job, other]})
+    events = run(make_engine(served, tokenizer), {0: [job, other]})
     stream = events[job.request_id]
     finish = stream[-1].finish
     assert finish.finish_reason == "stop_sequence"
@@ -257,9 +271,9 @@ def test_stop_sequence_cuts_the_text(model, tokenizer, prompts) -> None:
     assert events[other.request_id][-1].finish.finish_reason == "length"
 
 
-def test_total_length_is_capped_by_max_seq_len(model, tokenizer, prompts) -> None:
+def test_total_length_is_capped_by_max_seq_len(served, tokenizer, prompts) -> None:
     prompt = prompts[1]
-    engine = make_engine(model, tokenizer, max_seq_len=len(prompt) + 5)
+    engine = make_engine(served, tokenizer, max_seq_len=len(prompt) + 5)
     job = make_job(prompt, max_new_tokens=50)
     assert engine.fits(job)
     stream = run(engine, {0: [job]})[job.request_id]
@@ -267,8 +281,8 @@ def test_total_length_is_capped_by_max_seq_len(model, tokenizer, prompts) -> Non
     assert not engine.fits(make_job(prompt + prompt[:5]))
 
 
-def test_fits_rejects_what_can_never_run(model, tokenizer, prompts) -> None:
-    engine = make_engine(model, tokenizer, max_prefill_tokens=10, max_batch_total_tokens=40)
+def test_fits_rejects_what_can_never_run(served, tokenizer, prompts) -> None:
+    engine = make_engine(served, tokenizer, max_prefill_tokens=10, max_batch_total_tokens=40)
     assert engine.fits(make_job(prompts[0], max_new_tokens=1000))
     assert not engine.fits(make_job([1] * 11))
     assert not engine.fits(make_job([1, len(tokenizer) + 5]))
@@ -279,10 +293,10 @@ def test_fits_rejects_what_can_never_run(model, tokenizer, prompts) -> None:
 # -- streaming text ---------------------------------------------------------------------------------
 
 
-def test_streamed_text_is_exact_for_multibyte_output(model, tokenizer) -> None:
+def test_streamed_text_is_exact_for_multibyte_output(served, tokenizer) -> None:
     prompt = tokenizer("中文测试：人工智能模型，数据结构与算法").input_ids
     jobs = [make_job(prompt, max_new_tokens=120, do_sample=True, temperature=1.5, seed=seed) for seed in range(6)]
-    events = run(make_engine(model, tokenizer), {0: jobs})
+    events = run(make_engine(served, tokenizer), {0: jobs})
     non_ascii = 0
     for job in jobs:
         stream = events[job.request_id]
@@ -297,9 +311,9 @@ def test_streamed_text_is_exact_for_multibyte_output(model, tokenizer) -> None:
 # -- scheduling limits ------------------------------------------------------------------------------
 
 
-def test_kv_budget_makes_jobs_wait(model, tokenizer, prompts) -> None:
+def test_kv_budget_makes_jobs_wait(model, served, tokenizer, prompts) -> None:
     budget = 80
-    engine = make_engine(model, tokenizer, max_batch_total_tokens=budget)
+    engine = make_engine(served, tokenizer, max_batch_total_tokens=budget)
     jobs = [make_job(prompts[i], max_new_tokens=n) for i, n in ((0, 20), (4, 8), (7, 30))]
     reserved = [len(job.input_ids) + job.params.max_new_tokens for job in jobs]
     assert sum(reserved[:2]) < budget < sum(reserved)
@@ -321,8 +335,8 @@ def test_kv_budget_makes_jobs_wait(model, tokenizer, prompts) -> None:
         assert token_ids(events[job.request_id]) == greedy_reference(model, job.input_ids, job.params.max_new_tokens)
 
 
-def test_batch_size_limit(model, tokenizer, prompts) -> None:
-    engine = make_engine(model, tokenizer, max_batch_size=2)
+def test_batch_size_limit(served, tokenizer, prompts) -> None:
+    engine = make_engine(served, tokenizer, max_batch_size=2)
     jobs = [make_job(prompts[i], max_new_tokens=4 + i) for i in range(3)]
     engine.add(jobs[0])
     assert engine.has_room()
@@ -336,8 +350,8 @@ def test_batch_size_limit(model, tokenizer, prompts) -> None:
     assert len(events[jobs[2].request_id]) == 6
 
 
-def test_cancel_drops_queued_and_running_requests(model, tokenizer, prompts) -> None:
-    engine = make_engine(model, tokenizer, max_prefill_batch_size=3)
+def test_cancel_drops_queued_and_running_requests(model, served, tokenizer, prompts) -> None:
+    engine = make_engine(served, tokenizer, max_prefill_batch_size=3)
     jobs = [make_job(prompts[i], max_new_tokens=20) for i in range(4)]
     for job in jobs[:3]:
         engine.add(job)
@@ -359,8 +373,8 @@ def test_cancel_drops_queued_and_running_requests(model, tokenizer, prompts) -> 
         assert token_ids(events[job.request_id]) == greedy_reference(model, job.input_ids, 20)
 
 
-def test_a_failing_request_does_not_stop_the_others(model, tokenizer, prompts, monkeypatch) -> None:
-    engine = make_engine(model, tokenizer)
+def test_a_failing_request_does_not_stop_the_others(model, served, tokenizer, prompts, monkeypatch) -> None:
+    engine = make_engine(served, tokenizer)
     bad, good = make_job(prompts[0], max_new_tokens=10), make_job(prompts[1], max_new_tokens=10)
     engine.add(bad)
     engine.add(good)
@@ -380,11 +394,11 @@ def test_a_failing_request_does_not_stop_the_others(model, tokenizer, prompts, m
     assert token_ids(events[good.request_id]) == greedy_reference(model, good.input_ids, 10)
 
 
-def test_a_failing_forward_pass_drops_its_batch(model, tokenizer, prompts, monkeypatch) -> None:
-    engine = make_engine(model, tokenizer)
+def test_a_failing_forward_pass_drops_its_batch(model, served, tokenizer, prompts, monkeypatch) -> None:
+    engine = make_engine(served, tokenizer)
     engine.add(make_job(prompts[0], max_new_tokens=10))
     engine.step()
-    monkeypatch.setattr(model, "forward", lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("device lost")))
+    monkeypatch.setattr(served, "forward", lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("device lost")))
     with pytest.raises(RuntimeError, match="device lost"):
         engine.step()
     assert engine.idle

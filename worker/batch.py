@@ -29,12 +29,14 @@ class DecodeBatch:
         next_ids: torch.Tensor,
         positions: torch.Tensor,
         sampler: BatchSampler,
+        mask_4d: bool,
     ) -> None:
         self.cache = cache
-        self.attention_mask = attention_mask  # [batch, cache width], 0 on left padding
+        self.attention_mask = attention_mask  # bool [batch, cache width], False on left padding
         self.next_ids = next_ids  # [batch, 1]: the last chosen token, not yet in the cache
         self.positions = positions  # [batch, 1]: position id of next_ids
         self.sampler = sampler
+        self.mask_4d = mask_4d
 
     @classmethod
     def prefill(
@@ -44,22 +46,24 @@ class DecodeBatch:
         params: Sequence[SamplingParams],
         pad_id: int,
         prompt_details: Sequence[bool],
+        mask_4d: bool,
     ) -> tuple["DecodeBatch", torch.Tensor, torch.Tensor, list[list[float] | None]]:
         """Run the prompts through the model in one left-padded pass and choose each row's first token.
+        ``mask_4d``: hand the model ready boolean 4D masks (see :func:`worker.attention.accepts_4d_mask`).
 
         Returns the batch, the chosen ids and their logprobs, and for rows that asked for details the
         logprob of each prompt token after the first. Full-sequence logits are only materialised then.
         """
         width = max(len(prompt) for prompt in prompts)
         padded = [[pad_id] * (width - len(prompt)) + list(prompt) for prompt in prompts]
-        mask = [[0] * (width - len(prompt)) + [1] * len(prompt) for prompt in prompts]
+        mask = [[False] * (width - len(prompt)) + [True] * len(prompt) for prompt in prompts]
         input_ids = torch.tensor(padded, dtype=torch.long, device=model.device)
-        attention_mask = torch.tensor(mask, dtype=torch.long, device=model.device)
+        attention_mask = torch.tensor(mask, dtype=torch.bool, device=model.device)
         positions = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
         cache = DynamicCache()
         logits = model(
             input_ids=input_ids,
-            attention_mask=attention_mask,
+            attention_mask=_causal_mask(attention_mask) if mask_4d else attention_mask,
             position_ids=positions,
             past_key_values=cache,
             use_cache=True,
@@ -71,7 +75,7 @@ class DecodeBatch:
             _prompt_logprobs(logits[row], prompt) if details else None
             for row, (prompt, details) in enumerate(zip(prompts, prompt_details))
         ]
-        batch = cls(cache, attention_mask, ids[:, None], positions[:, -1:] + 1, sampler)
+        batch = cls(cache, attention_mask, ids[:, None], positions[:, -1:] + 1, sampler, mask_4d)
         return batch, ids, logprobs, prompt_logprobs
 
     @property
@@ -83,7 +87,7 @@ class DecodeBatch:
         attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones((self.size, 1))], dim=1)
         logits = model(
             input_ids=self.next_ids,
-            attention_mask=attention_mask,
+            attention_mask=attention_mask[:, None, None, :] if self.mask_4d else attention_mask,
             position_ids=self.positions,
             past_key_values=self.cache,
             use_cache=True,
@@ -116,6 +120,15 @@ class DecodeBatch:
         self.next_ids = torch.cat([self.next_ids, other.next_ids])
         self.positions = torch.cat([self.positions, other.positions])
         self.sampler = BatchSampler.concat(self.sampler, other.sampler)
+
+
+def _causal_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[batch, 1, query, key] prefill mask: causal, padding keys hidden. Padding queries attend to themselves
+    only, so that no row is fully masked (SDPA would turn it into NaN, and NaN cached keys poison a batch)."""
+    width = attention_mask.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=attention_mask.device).tril()
+    diagonal = torch.eye(width, dtype=torch.bool, device=attention_mask.device)
+    return ((causal & attention_mask[:, None, :]) | diagonal)[:, None]
 
 
 def _prompt_logprobs(logits: torch.Tensor, prompt: Sequence[int]) -> list[float]:

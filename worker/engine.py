@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from common.protocol import ErrorEvent, Finish, FinishReason, Job, TokenEvent, TokenInfo
 from common.settings import Settings
+from worker.attention import accepts_4d_mask, use_padded_attention
 from worker.batch import DecodeBatch
 from worker.detokenizer import TextStream, make_decoder
 
@@ -81,6 +82,7 @@ class Engine:
         self._special_ids = frozenset(tokenizer.all_special_ids)
         self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self._vocab_size = model.config.vocab_size
+        self._mask_4d = accepts_4d_mask(model)
         limits = [settings.max_seq_len, settings.max_batch_total_tokens]
         if getattr(model.config, "max_position_embeddings", None):
             limits.append(model.config.max_position_embeddings)
@@ -98,6 +100,7 @@ class Engine:
         dtype = settings.dtype if settings.dtype == "auto" else getattr(torch, settings.dtype)
         model = AutoModelForCausalLM.from_pretrained(settings.resolved_model_path, dtype=dtype)
         model.to(torch.device(settings.device)).eval()
+        use_padded_attention(model)
         tokenizer = AutoTokenizer.from_pretrained(settings.resolved_model_path)
         return cls(model, tokenizer, settings)
 
@@ -214,6 +217,7 @@ class Engine:
             [job.params for job in jobs],
             self._pad_id,
             [job.decoder_input_details for job in jobs],
+            self._mask_4d,
         )
         for seq, scores in zip(sequences, prompt_logprobs):
             if scores is not None:
