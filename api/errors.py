@@ -26,48 +26,96 @@ _NOT_FIELDS = {"body", "str", "int", "float", "bool"}
 
 
 class ProtocolError(Exception):
-    """An error answer: HTTP status, human-readable message, machine-readable type."""
+    """An error answer: HTTP status, human-readable message, machine-readable type, and the request field at
+    fault when known (OpenAI's error body names it as ``param``)."""
 
-    def __init__(self, status: int, message: str, error_type: str) -> None:
+    def __init__(self, status: int, message: str, error_type: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.error_type = error_type
+        self.param = param
+
+
+def _field(error: Any) -> str:
+    """The dotted path of the field a pydantic error is about ("" for the body as a whole)."""
+    return ".".join(str(p) for p in error.get("loc", ()) if str(p) not in _NOT_FIELDS and "[" not in str(p))
 
 
 def describe_validation_errors(errors: Sequence[Any]) -> str:
     """One readable sentence for the first validation error, naming the offending field."""
     error = errors[0]
-    loc = [str(part) for part in error.get("loc", ()) if str(part) not in _NOT_FIELDS and "[" not in str(part)]
+    field = _field(error)
     if error.get("type") == "value_error":
         return str(error["ctx"]["error"])
     if error.get("type") == "json_invalid":
         return f"the body is not valid JSON: {error.get('ctx', {}).get('error', error['msg'])}"
-    if error.get("type") == "missing" and not loc:
+    if error.get("type") == "missing" and not field:
         return "the request body is required"
-    field = ".".join(loc)
     return f"`{field}`: {error['msg']}" if field else error["msg"]
 
 
 def validation_error(exc: ValidationError | RequestValidationError, status: int = 422) -> ProtocolError:
-    return ProtocolError(status, VALIDATION_PREFIX + describe_validation_errors(exc.errors()), "validation")
+    errors = exc.errors()
+    message = VALIDATION_PREFIX + describe_validation_errors(errors)
+    return ProtocolError(status, message, "validation", _field(errors[0]) or None)
+
+
+class BodyTooLarge(HTTPException):
+    """The request body is larger than maxRequestLength (an HTTPException, so FastAPI passes it on)."""
+
+    def __init__(self, limit_mb: int) -> None:
+        super().__init__(413, f"the request body exceeds {limit_mb} MB (maxRequestLength)")
+
+
+class LimitedRequest(Request):
+    """A request whose body is read at most up to ``maxRequestLength`` (SPEC.md), never further."""
+
+    async def body(self) -> bytes:
+        if not hasattr(self, "_body"):
+            limit_mb = self.app.state.ctx.settings.max_request_length
+            limit = limit_mb * 1024 * 1024
+            declared = self.headers.get("content-length")
+            if declared is not None and declared.isdigit() and int(declared) > limit:
+                raise BodyTooLarge(limit_mb)
+            chunks, size = [], 0
+            async for chunk in self.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise BodyTooLarge(limit_mb)
+                chunks.append(chunk)
+            self._body = b"".join(chunks)
+        return self._body
+
+
+def _is_json(content_type: str | None) -> bool:
+    media_type = (content_type or "application/json").split(";", 1)[0].strip().lower()
+    return media_type == "application/json" or media_type.endswith("+json")
 
 
 def error_route_class(
-    render: Callable[[ProtocolError], Response], validation_status: int = 422
+    render: Callable[[ProtocolError], Response], validation_status: int = 422, require_json: bool = True
 ) -> type[APIRoute]:
-    """An APIRoute subclass whose handlers answer every error through ``render``."""
+    """An APIRoute subclass whose handlers answer every error through ``render``: invalid bodies,
+    bodies over maxRequestLength (413), a non-JSON content type when ``require_json`` (415), and every
+    :class:`ProtocolError` the handler raises."""
 
     class ProtocolRoute(APIRoute):
         def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
             handler = super().get_route_handler()
 
             async def guarded(request: Request) -> Response:
+                request = LimitedRequest(request.scope, request.receive)
+                if require_json and request.method == "POST" and not _is_json(request.headers.get("content-type")):
+                    message = f"Content-Type must be application/json, not {request.headers['content-type']}"
+                    return render(ProtocolError(415, message, "validation"))
                 try:
                     return await handler(request)
                 except RequestValidationError as exc:
                     return render(validation_error(exc, validation_status))
                 except HTTPException as exc:  # FastAPI could not read the body (bad UTF-8, JSON too deep)
+                    if exc.status_code == 413:
+                        return render(ProtocolError(413, exc.detail, "validation"))
                     if exc.status_code != 400:
                         raise
                     message = f"{VALIDATION_PREFIX}the body could not be parsed as JSON: {exc.detail}"

@@ -23,7 +23,7 @@ import orjson
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
-from sse_starlette import EventSourceResponse
+from redis.exceptions import RedisError
 
 from api import __version__
 from api.context import ServerContext, get_ctx
@@ -43,21 +43,24 @@ from api.kserve_schemas import (
     KServeServerMetadata,
     KServeTensorMetadata,
     SamplingParameters,
+    StopInferRequest,
 )
 from api.pipeline import (
-    GenerationError,
     GenerationRequest,
     GenerationResult,
+    PipelineError,
     effective_max_new_tokens,
     generate,
     new_request_id,
     random_seed,
-    stream_tokens,
+    send_control,
+    submit,
     tokenize,
     unready_reason,
 )
-from api.relay import DuplicateRequestId
-from common.protocol import SamplingParams
+from api.sse import event_stream
+from common import keys
+from common.protocol import Control, SamplingParams, TokenEvent
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 UINT32_LE = np.dtype("<u4")
@@ -65,19 +68,30 @@ SERVER_NAME = "ferry"
 EXTENSIONS = ("binary_tensor_data", "parameters", "generate")
 PLATFORM = "pytorch_transformers"
 MODEL_VERSION = ""  # the model has no versions
-SSE_KEEPALIVE_SECONDS = 15
+# KServe statuses for each pipeline failure.
+PIPELINE_STATUS = {
+    "validation": 400,
+    "generation": 500,
+    "incomplete_generation": 500,
+    "overloaded": 503,
+    "unavailable": 503,
+    "client_disconnected": 499,
+}
 
 
 def render_kserve_error(exc: ProtocolError) -> Response:
     return JSONResponse({"error": exc.message}, status_code=exc.status)
 
 
-router = APIRouter(prefix="/v2", route_class=error_route_class(render_kserve_error, 400), tags=["KServe v2"])
+router = APIRouter(
+    prefix="/v2", route_class=error_route_class(render_kserve_error, 400, require_json=False), tags=["KServe v2"]
+)
 
 ERROR_RESPONSES = {
     400: {"model": KServeErrorResponse, "description": "Bad request"},
     404: {"model": KServeErrorResponse, "description": "Unknown model"},
-    500: {"model": KServeErrorResponse, "description": "Generation failed"},
+    500: {"model": KServeErrorResponse, "description": "Generation failed or timed out"},
+    503: {"model": KServeErrorResponse, "description": "Overloaded (queue full) or Redis unreachable"},
 }
 NOT_READY = {503: {"model": KServeErrorResponse, "description": "No live worker serves the model"}}
 
@@ -183,13 +197,16 @@ async def text_to_generation_request(ctx: ServerContext, body: KServeGenerateReq
     )
 
 
-async def _run(ctx: ServerContext, request: GenerationRequest) -> GenerationResult:
+def _pipeline_error(exc: PipelineError) -> ProtocolError:
+    message = VALIDATION_PREFIX + exc.message if exc.error_type == "validation" else exc.message
+    return ProtocolError(PIPELINE_STATUS.get(exc.error_type, 500), message, exc.error_type)
+
+
+async def _run(ctx: ServerContext, request: GenerationRequest, http: Request) -> GenerationResult:
     try:
-        return await generate(ctx, request)
-    except DuplicateRequestId:
-        raise _invalid(f"a request with id '{request.request_id}' is already in flight") from None
-    except GenerationError as exc:
-        raise ProtocolError(500, exc.message, exc.error_type) from None
+        return await generate(ctx, request, http.is_disconnected)
+    except PipelineError as exc:
+        raise _pipeline_error(exc) from None
 
 
 def infer_response(
@@ -229,7 +246,7 @@ async def infer(request: Request, ctx: Ctx) -> Response:
     """Token ids in, token ids out (SPEC.md section 2)."""
     body, binary = parse_infer_body(await request.body(), request.headers.get(HEADER_LENGTH))
     generation = to_generation_request(ctx, body, binary)
-    return infer_response(ctx, body, generation, await _run(ctx, generation))
+    return infer_response(ctx, body, generation, await _run(ctx, generation, request))
 
 
 @router.post(
@@ -237,23 +254,12 @@ async def infer(request: Request, ctx: Ctx) -> Response:
     dependencies=KnownModel,
     responses={**ERROR_RESPONSES, 200: {"model": KServeGenerateResponse}},
 )
-async def generate_route(body: KServeGenerateRequest, ctx: Ctx) -> KServeGenerateResponse:
+async def generate_route(body: KServeGenerateRequest, ctx: Ctx, http: Request) -> KServeGenerateResponse:
     """Triton's generate extension: text in, generated text out."""
-    result = await _run(ctx, await text_to_generation_request(ctx, body))
+    result = await _run(ctx, await text_to_generation_request(ctx, body), http)
     return KServeGenerateResponse(
         model_name=ctx.model.model_id, model_version=MODEL_VERSION, text_output=result.finish.generated_text
     )
-
-
-async def _generate_events(ctx: ServerContext, request: GenerationRequest) -> AsyncIterator[str]:
-    """One event per token with its text delta; a failure after the start is a last ``{"error"}`` event."""
-    try:
-        async for event in stream_tokens(ctx, request):
-            yield KServeGenerateResponse(
-                model_name=ctx.model.model_id, model_version=MODEL_VERSION, text_output=event.token.text
-            ).model_dump_json()
-    except GenerationError as exc:
-        yield orjson.dumps({"error": exc.message}).decode()
 
 
 @router.post(
@@ -265,7 +271,19 @@ async def _generate_events(ctx: ServerContext, request: GenerationRequest) -> As
 async def generate_stream_route(body: KServeGenerateRequest, ctx: Ctx) -> Response:
     """The generate extension as SSE; the body is validated before the stream starts (400 otherwise)."""
     request = await text_to_generation_request(ctx, body)
-    return EventSourceResponse(_generate_events(ctx, request), sep="\n", ping=SSE_KEEPALIVE_SECONDS)
+    try:
+        submission = await submit(ctx, request)
+    except PipelineError as exc:
+        raise _pipeline_error(exc) from None
+
+    async def render(events: AsyncIterator[TokenEvent]) -> AsyncIterator[str]:
+        """One event per token with its text delta."""
+        async for event in events:
+            yield KServeGenerateResponse(
+                model_name=ctx.model.model_id, model_version=MODEL_VERSION, text_output=event.token.text
+            ).model_dump_json()
+
+    return event_stream(submission, render, lambda exc: orjson.dumps({"error": exc.message}).decode())
 
 
 @router.api_route(
@@ -331,3 +349,25 @@ async def model_metadata(ctx: Ctx) -> KServeModelMetadata:
         inputs=[KServeTensorMetadata(name=INPUT_NAME, datatype=DATATYPE, shape=[1, -1])],
         outputs=[KServeTensorMetadata(name=OUTPUT_NAME, datatype=DATATYPE, shape=[1, -1])],
     )
+
+
+# stopInfer answers a malformed id with 422 (SPEC.md), unlike the 400 of the KServe routes above.
+control_router = APIRouter(prefix="/v2", route_class=error_route_class(render_kserve_error, 422), tags=["KServe v2"])
+
+
+@control_router.post(
+    "/models/{model}/stopInfer",
+    dependencies=KnownModel,
+    responses={404: {"model": KServeErrorResponse, "description": "Unknown model or request id"},
+               422: {"model": KServeErrorResponse, "description": "Malformed request id"}},
+)
+async def stop_infer(body: StopInferRequest, ctx: Ctx) -> StopInferRequest:
+    """Stop a request in flight: it ends at its next token with finish_reason ``stop_sequence``, and its
+    client gets the text so far. Any request id works, whichever route and API pod took the request."""
+    try:
+        if not await ctx.redis.exists(keys.inflight_key(ctx.model.model_id, body.id)):
+            raise ProtocolError(404, f"request {body.id} is not in flight", "NotFoundError")
+        await send_control(ctx, Control(request_id=body.id, action="stop"))
+    except RedisError as exc:
+        raise ProtocolError(503, f"the job queue is unreachable: {exc}", "unavailable") from None
+    return body

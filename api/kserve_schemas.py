@@ -360,3 +360,11 @@ class KServeModelMetadata(BaseModel):
     platform: str
     inputs: list[KServeTensorMetadata]
     outputs: list[KServeTensorMetadata]
+
+
+class StopInferRequest(BaseModel):
+    """Body of ``POST /v2/models/{model}/stopInfer``: the id of the request to stop."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    id: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,256}$", description="the request id (KServe `id`, TGI `x-request-id`)")

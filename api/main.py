@@ -21,7 +21,14 @@ def main(argv: list[str] | None = None) -> None:
     overrides = {k: v for k, v in vars(args).items() if v is not None}
     settings = Settings(**overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        # Open streams get shutdownGraceSeconds to finish (api/sse.py), then a little for the rest.
+        timeout_graceful_shutdown=settings.shutdown_grace_seconds + 5,
+    )
 
 
 if __name__ == "__main__":

@@ -1,24 +1,31 @@
 """The one request path every protocol adapter uses: queue a job, relay its events.
 
 Adapters (TGI, KServe v2, ...) validate their own request shape, build a :class:`GenerationRequest` and
-call :func:`stream_tokens` or :func:`generate`; they only translate shapes, never touch Redis themselves.
+call :func:`generate`, or :func:`submit` and :meth:`Submission.events` to stream; they only translate
+shapes and map :class:`PipelineError` types to their statuses, never touch Redis themselves.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import math
 import re
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
 from pydantic import BaseModel, Field
+from redis.exceptions import RedisError
 
 from api.context import ServerContext
 from api.health import live_workers
 from common import keys
-from common.protocol import ErrorEvent, Finish, Job, SamplingParams, TokenEvent, TokenInfo, decode_event
+from common.protocol import Control, ErrorEvent, Finish, Job, SamplingParams, TokenEvent, TokenInfo, decode_event
+
+log = logging.getLogger(__name__)
 
 REQUEST_ID_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,256}$")
 MAX_INPUT_CHARS = 4 * 1024 * 1024  # SPEC.md: a text prompt has at most 4 MiB of characters
@@ -28,8 +35,11 @@ MAX_STOP_CHARS = 1024
 MAX_STOP_TOTAL_CHARS = 32768
 
 
-class GenerationError(Exception):
-    """The worker reported a failure for the request."""
+class PipelineError(Exception):
+    """A request the pipeline could not complete. ``error_type`` says why; each adapter maps it to its
+    protocol's status: ``generation`` (the worker failed), ``overloaded`` (queue or connection limit),
+    ``incomplete_generation`` (a timeout), ``unavailable`` (Redis unreachable), ``validation`` (a request id
+    already in flight)."""
 
     def __init__(self, message: str, error_type: str) -> None:
         super().__init__(message)
@@ -107,12 +117,108 @@ def effective_max_new_tokens(ctx: ServerContext, requested: int | None, default:
     return min(ctx.settings.max_iter_times, requested if requested is not None else default)
 
 
-async def stream_tokens(ctx: ServerContext, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
-    """Queue the request's job and yield its token events in order; the last one carries ``finish``.
+Disconnected = Callable[[], Awaitable[bool]]
+DISCONNECT_POLL_SECONDS = 0.5
 
-    Raises :class:`GenerationError` when the worker reports a failure. Events already relayed (a
-    re-delivered job replays from index 0) are dropped, so the caller sees each index exactly once.
+
+class Submission:
+    """A queued request: its token events, and what happens when the caller stops listening.
+
+    Made by :func:`submit`, which has already checked the limits and queued the job, so adapters can answer
+    overload or a duplicate id with a status before a stream starts. :meth:`close` must follow (it is
+    idempotent): it releases the request id and, when the request did not finish, tells the workers to
+    drop it so no compute is spent on a client that left.
     """
+
+    def __init__(self, ctx: ServerContext, job: Job, queue: asyncio.Queue[bytes]) -> None:
+        self.ctx = ctx
+        self.job = job
+        self._queue = queue
+        self._finished = False
+        self._closed = False
+
+    @property
+    def request_id(self) -> str:
+        return self.job.request_id
+
+    async def events(self, disconnected: Disconnected | None = None) -> AsyncIterator[TokenEvent]:
+        """The token events in order, each index once; the last carries ``finish``.
+
+        Raises :class:`PipelineError` on a worker error, a timeout (tokenTimeout between events, e2eTimeout
+        overall), a lost Redis connection, or when ``disconnected`` reports that the client left.
+        """
+        next_index = 0
+        while True:
+            event = decode_event(await self._next(disconnected))
+            if isinstance(event, ErrorEvent):
+                raise PipelineError(event.message, event.error_type)
+            if event.index < next_index:  # a re-delivered job replays from index 0
+                continue
+            next_index = event.index + 1
+            if event.finish is not None:
+                self._finished = True
+            yield event
+            if event.finish is not None:
+                return
+
+    async def _next(self, disconnected: Disconnected | None) -> bytes:
+        settings = self.ctx.settings
+        wait = min(settings.token_timeout, (self.job.deadline or math.inf) - time.time())
+        deadline = time.monotonic() + wait
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise PipelineError(
+                    f"request timed out: no token within {wait:.3g} s (tokenTimeout {settings.token_timeout:g} s, "
+                    f"e2eTimeout {settings.e2e_timeout:g} s)",
+                    "incomplete_generation",
+                )
+            try:
+                # Poll the client at most every DISCONNECT_POLL_SECONDS while waiting for the worker.
+                poll = remaining if disconnected is None else min(remaining, DISCONNECT_POLL_SECONDS)
+                return await asyncio.wait_for(self._queue.get(), poll)
+            except asyncio.TimeoutError:
+                if disconnected is not None and await disconnected():
+                    raise PipelineError("the client disconnected", "client_disconnected") from None
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        ctx, model = self.ctx, self.job.model
+        ctx.relay.release(self.request_id)
+        try:
+            if not self._finished:
+                await send_control(ctx, Control(request_id=self.request_id, action="cancel"))
+            await ctx.redis.delete(keys.inflight_key(model, self.request_id))
+        except RedisError:
+            log.warning("could not release request %s: Redis unreachable", self.request_id)
+
+
+async def send_control(ctx: ServerContext, control: Control) -> None:
+    """Tell the model's workers to cancel or stop a request, whether it is running or still queued."""
+    model = ctx.model.model_id
+    payload = control.model_dump_json()
+    pipe = ctx.redis.pipeline(transaction=False)
+    pipe.set(keys.control_key(model, control.request_id), payload, ex=int(ctx.settings.e2e_timeout) + 60)
+    pipe.publish(keys.control_channel(model), payload)
+    await pipe.execute()
+
+
+async def submit(ctx: ServerContext, request: GenerationRequest) -> Submission:
+    """Check the pod's and the queue's limits, then queue the request's job.
+
+    Raises :class:`PipelineError`: ``overloaded`` past maxLinkNum requests on this pod or maxQueueSize jobs
+    queued or running for the model, ``validation`` for a request id already in flight, ``unavailable``
+    when Redis cannot be reached. The relay is listening before the job is queued.
+    """
+    settings = ctx.settings
+    if not ctx.relay.connected:
+        raise PipelineError("not connected to Redis; retry later", "unavailable")
+    if ctx.relay.in_flight >= settings.max_link_num:
+        raise PipelineError(f"too many concurrent requests on this server (maxLinkNum {settings.max_link_num})",
+                            "overloaded")
+    now = time.time()
     job = Job(
         request_id=request.request_id,
         model=ctx.model.model_id,
@@ -120,28 +226,43 @@ async def stream_tokens(ctx: ServerContext, request: GenerationRequest) -> Async
         input_ids=request.input_ids,
         params=request.params,
         decoder_input_details=request.decoder_input_details,
-        enqueued_at=time.time(),
+        enqueued_at=now,
+        deadline=now + settings.e2e_timeout,
     )
-    async with ctx.relay.subscription(request.request_id) as queue:
-        await ctx.redis.xadd(keys.job_stream(job.model), {keys.JOB_FIELD: job.model_dump_json()})
-        next_index = 0
-        while True:
-            event = decode_event(await queue.get())
-            if isinstance(event, ErrorEvent):
-                raise GenerationError(event.message, event.error_type)
-            if event.index < next_index:
-                continue
-            next_index = event.index + 1
-            yield event
-            if event.finish is not None:
-                return
+    stream, inflight = keys.job_stream(job.model), keys.inflight_key(job.model, job.request_id)
+    try:
+        pipe = ctx.redis.pipeline(transaction=False)
+        pipe.set(inflight, ctx.api_id, nx=True, ex=int(settings.e2e_timeout) + 60)
+        pipe.xlen(stream)
+        fresh, queued = await pipe.execute()
+        if not fresh:
+            raise PipelineError(f"a request with id '{job.request_id}' is already in flight", "validation")
+        if queued >= settings.max_queue_size:
+            await ctx.redis.delete(inflight)
+            raise PipelineError(f"the queue of model {job.model} is full ({queued} requests, maxQueueSize "
+                                f"{settings.max_queue_size}); retry later", "overloaded")
+        queue = ctx.relay.register(job.request_id)
+        try:
+            await ctx.redis.xadd(stream, {keys.JOB_FIELD: job.model_dump_json()})
+        except BaseException:
+            ctx.relay.release(job.request_id)
+            raise
+    except RedisError as exc:
+        raise PipelineError(f"the job queue is unreachable: {exc}", "unavailable") from None
+    return Submission(ctx, job, queue)
 
 
-async def generate(ctx: ServerContext, request: GenerationRequest) -> GenerationResult:
-    """Run the request to completion and return all its tokens."""
+async def generate(
+    ctx: ServerContext, request: GenerationRequest, disconnected: Disconnected | None = None
+) -> GenerationResult:
+    """Run the request to completion and return all its tokens (see :meth:`Submission.events`)."""
+    submission = await submit(ctx, request)
     tokens: list[TokenInfo] = []
-    async for event in stream_tokens(ctx, request):
-        tokens.append(event.token)
-        if event.finish is not None:
-            return GenerationResult(tokens=tokens, finish=event.finish)
-    raise GenerationError("the token stream ended without a final event", "incomplete_generation")
+    try:
+        async for event in submission.events(disconnected):
+            tokens.append(event.token)
+            if event.finish is not None:
+                return GenerationResult(tokens=tokens, finish=event.finish)
+    finally:
+        await submission.close()
+    raise PipelineError("the token stream ended without a final event", "incomplete_generation")

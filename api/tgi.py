@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Literal
 
 import orjson
-from fastapi import APIRouter, Depends, Header
+from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 
@@ -20,18 +20,18 @@ from api.errors import VALIDATION_PREFIX, ProtocolError, error_route_class
 from api.pipeline import (
     MAX_STOP_ITEMS,
     REQUEST_ID_PATTERN,
-    GenerationError,
     GenerationRequest,
     GenerationResult,
+    PipelineError,
     effective_max_new_tokens,
     generate,
     new_request_id,
     random_seed,
-    stream_tokens,
+    submit,
     tokenize,
     unready_reason,
 )
-from api.relay import DuplicateRequestId
+from api.sse import event_stream
 from api.tgi_schemas import (
     TGIDetails,
     TGIErrorResponse,
@@ -58,8 +58,9 @@ router = APIRouter(route_class=error_route_class(render_tgi_error), tags=["TGI"]
 ERROR_RESPONSES = {
     422: {"model": TGIErrorResponse, "description": "Input validation error"},
     424: {"model": TGIErrorResponse, "description": "Generation error"},
+    429: {"model": TGIErrorResponse, "description": "Overloaded: queue or connection limit reached"},
+    500: {"model": TGIErrorResponse, "description": "Incomplete generation (timed out)"},
 }
-SSE_KEEPALIVE_SECONDS = 15
 
 
 def _invalid(message: str) -> ProtocolError:
@@ -126,14 +127,28 @@ def _generate_response(body: TGIRequest, result: GenerationResult) -> TGIGenerat
     return TGIGenerateResponse(generated_text=_full_text(body, result.finish.generated_text), details=details)
 
 
-async def _run(ctx: ServerContext, body: TGIRequest, request_id: str) -> TGIGenerateResponse:
+# TGI's statuses for each pipeline failure (429, never 503: huggingface_hub retries a 503 forever).
+PIPELINE_STATUS = {
+    "validation": 422,
+    "generation": 424,
+    "unavailable": 424,
+    "overloaded": 429,
+    "incomplete_generation": 500,
+    "client_disconnected": 499,
+}
+
+
+def _pipeline_error(exc: PipelineError) -> ProtocolError:
+    message = VALIDATION_PREFIX + exc.message if exc.error_type == "validation" else exc.message
+    return ProtocolError(PIPELINE_STATUS.get(exc.error_type, 500), message, exc.error_type)
+
+
+async def _run(ctx: ServerContext, body: TGIRequest, request_id: str, http: Request) -> TGIGenerateResponse:
     request = await to_generation_request(ctx, body, request_id, stream=False)
     try:
-        result = await generate(ctx, request)
-    except DuplicateRequestId:
-        raise _invalid(f"a request with id '{request_id}' is already in flight") from None
-    except GenerationError as exc:
-        raise ProtocolError(424, exc.message, exc.error_type) from None
+        result = await generate(ctx, request, http.is_disconnected)
+    except PipelineError as exc:
+        raise _pipeline_error(exc) from None
     return _generate_response(body, result)
 
 
@@ -141,20 +156,8 @@ def _dump(model: TGIGenerateResponse) -> dict:
     return model.model_dump(exclude={"details"} if model.details is None else set())
 
 
-async def _sse_events(
-    ctx: ServerContext, body: TGIRequest, request: GenerationRequest, id_format: StreamIdFormat
-) -> AsyncIterator[str]:
-    """TGI stream events, compact JSON one per line; a failure after the start is a final error event."""
-    text_so_far = ""
-    try:
-        async for event in stream_tokens(ctx, request):
-            text_so_far += event.token.text
-            yield _stream_event(ctx, body, event, text_so_far, id_format).model_dump_json()
-    except DuplicateRequestId:
-        yield orjson.dumps({"error": f"request id '{request.request_id}' is already in flight",
-                            "error_type": "validation"}).decode()
-    except GenerationError as exc:
-        yield orjson.dumps({"error": exc.message, "error_type": exc.error_type}).decode()
+def _error_event(exc: PipelineError) -> str:
+    return orjson.dumps({"error": exc.message, "error_type": exc.error_type}).decode()
 
 
 def _stream_event(
@@ -185,13 +188,20 @@ def _stream_event(
 async def _stream(
     ctx: ServerContext, body: TGIRequest, request_id: str, id_format: StreamIdFormat
 ) -> EventSourceResponse:
+    """Validate and queue first (errors answer with a status), then stream TGI events."""
     request = await to_generation_request(ctx, body, request_id, stream=True)
-    return EventSourceResponse(
-        _sse_events(ctx, body, request, id_format),
-        sep="\n",
-        ping=SSE_KEEPALIVE_SECONDS,
-        headers={"x-request-id": request_id},
-    )
+    try:
+        submission = await submit(ctx, request)
+    except PipelineError as exc:
+        raise _pipeline_error(exc) from None
+
+    async def render(events: AsyncIterator[TokenEvent]) -> AsyncIterator[str]:
+        text_so_far = ""
+        async for event in events:
+            text_so_far += event.token.text
+            yield _stream_event(ctx, body, event, text_so_far, id_format).model_dump_json()
+
+    return event_stream(submission, render, _error_event, headers={"x-request-id": request_id})
 
 
 Ctx = Annotated[ServerContext, Depends(get_ctx)]
@@ -204,18 +214,22 @@ RequestIdHeader = Annotated[str | None, Header(alias="x-request-id")]
                                         "generation, or an SSE stream of TGIStreamResponse when stream=true"}},
     summary="Generate text (TGI compatible; list response, or SSE when stream is true)",
 )
-async def compat_generate(body: TGIRequest, ctx: Ctx, x_request_id: RequestIdHeader = None) -> Response:
+async def compat_generate(
+    body: TGIRequest, ctx: Ctx, http: Request, x_request_id: RequestIdHeader = None
+) -> Response:
     request_id = _request_id(x_request_id)
     if body.stream:
         return await _stream(ctx, body, request_id, ctx.settings.tgi_stream_format)
-    result = await _run(ctx, body, request_id)
+    result = await _run(ctx, body, request_id, http)
     return JSONResponse([_dump(result)], headers={"x-request-id": request_id})
 
 
 @router.post("/generate", responses={**ERROR_RESPONSES, 200: {"model": TGIGenerateResponse}})
-async def generate_route(body: TGIRequest, ctx: Ctx, x_request_id: RequestIdHeader = None) -> Response:
+async def generate_route(
+    body: TGIRequest, ctx: Ctx, http: Request, x_request_id: RequestIdHeader = None
+) -> Response:
     request_id = _request_id(x_request_id)
-    result = await _run(ctx, body, request_id)
+    result = await _run(ctx, body, request_id, http)
     return JSONResponse(_dump(result), headers={"x-request-id": request_id})
 
 

@@ -1,12 +1,20 @@
 """Every Redis key and channel name the system uses, in one place.
 
 - ``ferry:{model}:jobs``: the model's job stream. Each entry has one field, ``job``, the JSON of a
-  :class:`common.protocol.Job`.
+  :class:`common.protocol.Job`. Workers XACK and XDEL an entry when the request is done, so the
+  stream's length is the number of requests queued or running (the API's queue bound).
 - ``ferry:{model}:workers``: the consumer group all workers of that model read from. A pool (cpu, cuda,
   npu) is a set of consumers in that group: a second group on the same stream would receive every job a
   second time, so pools of one model share the group and differ only in consumer names.
 - ``ferry:{model}:heartbeats``: sorted set of the model's worker consumers, scored by the unix time
   their heartbeat expires; a worker is alive while its score is in the future.
+- ``ferry:{model}:control``: pub/sub channel every worker of the model listens to for
+  :class:`common.protocol.Control` messages (cancel a request whose client left, stop one on request).
+- ``ferry:{model}:control:{request_id}``: the same control message kept as a key (with a TTL), for a
+  worker that reads the job from the stream only after the message was published.
+- ``ferry:{model}:inflight:{request_id}``: exists while the request is in flight (SET NX by the API
+  pod that took it, with a TTL): client-chosen request ids are unique while in flight, and a stop
+  request for an unknown id is answered 404.
 - ``ferry:events:{api_id}:{request_id}``: the per-request pub/sub channel. Each API pod pattern-subscribes
   to ``ferry:events:{api_id}:*`` once at start-up, so it is subscribed to a request's channel before it
   queues the request's job and no first token can be missed.
@@ -32,6 +40,18 @@ def consumer_name(pool: str, host: str, pid: int) -> str:
 
 def heartbeats(model: str) -> str:
     return f"{PREFIX}:{model}:heartbeats"
+
+
+def control_channel(model: str) -> str:
+    return f"{PREFIX}:{model}:control"
+
+
+def control_key(model: str, request_id: str) -> str:
+    return f"{PREFIX}:{model}:control:{request_id}"
+
+
+def inflight_key(model: str, request_id: str) -> str:
+    return f"{PREFIX}:{model}:inflight:{request_id}"
 
 
 def events_pattern(api_id: str) -> str:

@@ -40,6 +40,7 @@ class Job(BaseModel):
     params: SamplingParams
     decoder_input_details: bool = Field(False, description="return log-probs of the prompt tokens")
     enqueued_at: float = Field(description="unix time the API queued the job")
+    deadline: float | None = Field(None, description="unix time after which nobody waits for the result")
 
 
 class TokenInfo(BaseModel):
@@ -78,6 +79,14 @@ class ErrorEvent(BaseModel):
     type: Literal["error"] = "error"
     message: str
     error_type: str = "generation"
+
+
+class Control(BaseModel):
+    """Sent by an API pod to the model's workers. ``cancel``: the client left, drop the request silently;
+    ``stop``: end it at its next token with finish_reason ``stop_sequence`` (Triton/MindIE stopInfer)."""
+
+    request_id: str
+    action: Literal["cancel", "stop"]
 
 
 Event = Annotated[Union[TokenEvent, ErrorEvent], Field(discriminator="type")]

@@ -70,6 +70,22 @@ class Settings(BaseSettings):
         True, validation_alias=_spec("kserveOutputIncludesPrompt", "KSERVE_OUTPUT_INCLUDES_PROMPT")
     )
 
+    # Reliability (docs/reliability.md)
+    max_queue_size: int = Field(1024, gt=0, validation_alias=_spec("maxQueueSize", "MAX_QUEUE_SIZE"))
+    max_link_num: int = Field(1000, gt=0, validation_alias=_spec("maxLinkNum", "MAX_LINK_NUM"))
+    e2e_timeout: float = Field(600.0, gt=0, validation_alias=_spec("e2eTimeout", "E2E_TIMEOUT"))
+    token_timeout: float = Field(600.0, gt=0, validation_alias=_spec("tokenTimeout", "TOKEN_TIMEOUT"))
+    max_request_length: int = Field(
+        40, gt=0, description="MB", validation_alias=_spec("maxRequestLength", "MAX_REQUEST_LENGTH")
+    )
+    claim_idle_seconds: float = Field(
+        30.0, gt=0, validation_alias=_spec("claimIdleSeconds", "CLAIM_IDLE_SECONDS")
+    )
+    max_deliveries: int = Field(3, gt=0, validation_alias=_spec("maxDeliveries", "MAX_DELIVERIES"))
+    shutdown_grace_seconds: float = Field(
+        30.0, ge=0, validation_alias=_spec("shutdownGraceSeconds", "SHUTDOWN_GRACE_SECONDS")
+    )
+
     # Worker engine
     device: str = Field("cpu", validation_alias=_spec("device", "DEVICE"))
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(

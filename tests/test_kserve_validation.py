@@ -32,11 +32,12 @@ from api.kserve import (
     to_generation_request,
 )
 from api.kserve_schemas import KServeGenerateRequest, KServeInferRequest, SamplingParameters
-from api.pipeline import GenerationError, GenerationRequest, GenerationResult
-from api.relay import DuplicateRequestId, EventRelay
+from api.pipeline import GenerationRequest, GenerationResult, PipelineError
+from api.relay import EventRelay
 from common import keys
 from common.protocol import Finish, TokenEvent, TokenInfo
 from common.settings import Settings
+from tests.fakes import FakeSubmission, patch_submit
 
 MODEL = "tiny-kserve"
 INFER = f"/v2/models/{MODEL}/infer"
@@ -161,12 +162,12 @@ def nothing_is_queued(monkeypatch: pytest.MonkeyPatch) -> None:
     async def refuse(ctx, request):
         raise AssertionError(f"request was accepted and queued: {request!r}")
 
-    async def refuse_stream(ctx, request):
-        raise AssertionError(f"stream request was accepted and queued: {request!r}")
-        yield  # pragma: no cover
+    patch_submit(monkeypatch, refuse)
 
-    monkeypatch.setattr(api.kserve, "generate", refuse)
-    monkeypatch.setattr(api.kserve, "stream_tokens", refuse_stream)
+
+def token_events(result: GenerationResult) -> list[TokenEvent]:
+    last = len(result.tokens) - 1
+    return [TokenEvent(index=i, token=t, finish=result.finish if i == last else None) for i, t in enumerate(result.tokens)]
 
 
 @pytest.fixture
@@ -174,18 +175,11 @@ def stand_in_worker(monkeypatch: pytest.MonkeyPatch) -> list[GenerationRequest]:
     """Accepted requests are recorded and answered with the generated ids 7, 8, 9."""
     accepted: list[GenerationRequest] = []
 
-    async def fake_generate(ctx, request):
+    async def fake_submit(ctx, request):
         accepted.append(request)
-        return result_for(request, [7, 8, 9])
+        return FakeSubmission(ctx, token_events(result_for(request, [7, 8, 9])))
 
-    async def fake_stream(ctx, request):
-        accepted.append(request)
-        result = result_for(request, [7, 8, 9])
-        for index, token in enumerate(result.tokens):
-            yield TokenEvent(index=index, token=token, finish=result.finish if index == 2 else None)
-
-    monkeypatch.setattr(api.kserve, "generate", fake_generate)
-    monkeypatch.setattr(api.kserve, "stream_tokens", fake_stream)
+    patch_submit(monkeypatch, fake_submit)
     return accepted
 
 
@@ -524,15 +518,15 @@ def test_setting_reads_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_generation_failure_and_duplicate_id(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
     async def failing(ctx, request):
-        raise GenerationError("the worker ran out of memory", "generation")
+        return FakeSubmission(ctx, [], PipelineError("the worker ran out of memory", "generation"))
 
-    monkeypatch.setattr(api.kserve, "generate", failing)
+    patch_submit(monkeypatch, failing)
     assert_kserve_error(client.post(INFER, json=infer_body()), 500, "the worker ran out of memory")
 
     async def duplicate(ctx, request):
-        raise DuplicateRequestId(request.request_id)
+        raise PipelineError(f"a request with id '{request.request_id}' is already in flight", "validation")
 
-    monkeypatch.setattr(api.kserve, "generate", duplicate)
+    patch_submit(monkeypatch, duplicate)
     assert_kserve_error(client.post(INFER, json=infer_body()), 400, "a request with id '42' is already in flight")
 
 
@@ -672,10 +666,10 @@ def test_generate_stream_failure_after_start_is_a_last_error_event(
     client: TestClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async def failing_stream(ctx, request):
-        yield TokenEvent(index=0, token=TokenInfo(id=7, text="<7>", logprob=-0.1, special=False))
-        raise GenerationError("the worker died", "generation")
+        first = TokenEvent(index=0, token=TokenInfo(id=7, text="<7>", logprob=-0.1, special=False))
+        return FakeSubmission(ctx, [first], PipelineError("the worker died", "generation"))
 
-    monkeypatch.setattr(api.kserve, "stream_tokens", failing_stream)
+    patch_submit(monkeypatch, failing_stream)
     response = client.post(GENERATE_STREAM, json={"text_input": "def main("})
     assert response.status_code == 200
     events = sse_data(response.text)
@@ -685,7 +679,7 @@ def test_generate_stream_failure_after_start_is_a_last_error_event(
 
 def test_generate_generation_failure_is_500(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
     async def failing(ctx, request):
-        raise GenerationError("boom", "generation")
+        return FakeSubmission(ctx, [], PipelineError("boom", "generation"))
 
-    monkeypatch.setattr(api.kserve, "generate", failing)
+    patch_submit(monkeypatch, failing)
     assert_kserve_error(client.post(GENERATE, json={"text_input": "x"}), 500, "boom")

@@ -21,15 +21,15 @@ import pytest
 from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
-import api.tgi
 from api.app import create_app
 from api.context import MAX_INPUT_TOKENS_HARD_CAP, ModelInfo, ServerContext
-from api.pipeline import GenerationRequest, GenerationResult
+from api.pipeline import GenerationRequest
 from api.relay import EventRelay
 from api.tgi import to_generation_request
 from api.tgi_schemas import TGIRequest
 from common.protocol import Finish, Job, TokenEvent, TokenInfo
 from common.settings import Settings
+from tests.fakes import FakeSubmission, patch_submit
 
 U32_MAX = 2147483647  # the spec's upper bound for max_new_tokens, top_k, truncate
 U64_MAX = 2**64 - 1
@@ -172,7 +172,7 @@ def model_variant(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactor
 
 @pytest.fixture(autouse=True)
 def nothing_is_queued(monkeypatch: pytest.MonkeyPatch) -> list[GenerationRequest]:
-    """Replace the queueing calls: a request that reaches them records itself and fails the test, unless the
+    """Replace the queueing call: a request that reaches it records itself and fails the test, unless the
     test swaps in ``accept_requests``. Without a worker a queued request would otherwise hang."""
     queued: list[GenerationRequest] = []
 
@@ -180,13 +180,7 @@ def nothing_is_queued(monkeypatch: pytest.MonkeyPatch) -> list[GenerationRequest
         queued.append(request)
         raise AssertionError(f"request was accepted and queued: {request!r}")
 
-    async def refuse_stream(ctx, request):
-        queued.append(request)
-        raise AssertionError(f"stream request was accepted and queued: {request!r}")
-        yield  # pragma: no cover
-
-    monkeypatch.setattr(api.tgi, "generate", refuse)
-    monkeypatch.setattr(api.tgi, "stream_tokens", refuse_stream)
+    patch_submit(monkeypatch, refuse)
     return queued
 
 
@@ -196,16 +190,11 @@ def accept_requests(monkeypatch: pytest.MonkeyPatch) -> list[GenerationRequest]:
     accepted: list[GenerationRequest] = []
     token = TokenInfo(id=5, text="x", logprob=-0.5, special=False)
 
-    async def fake_generate(ctx, request):
+    async def fake_submit(ctx, request):
         accepted.append(request)
-        return GenerationResult(tokens=[token], finish=finish_for(request))
+        return FakeSubmission(ctx, [TokenEvent(index=0, token=token, finish=finish_for(request))])
 
-    async def fake_stream(ctx, request):
-        accepted.append(request)
-        yield TokenEvent(index=0, token=token, finish=finish_for(request))
-
-    monkeypatch.setattr(api.tgi, "generate", fake_generate)
-    monkeypatch.setattr(api.tgi, "stream_tokens", fake_stream)
+    patch_submit(monkeypatch, fake_submit)
     return accepted
 
 
@@ -734,7 +723,7 @@ def test_lone_surrogate_in_stop_is_a_validation_error(lenient_client, monkeypatc
             params=request.params, enqueued_at=0.0).model_dump_json()  # raises PydanticSerializationError
         raise AssertionError("accepted and queued")
 
-    monkeypatch.setattr(api.tgi, "generate", serialize_job_as_the_pipeline_does)
+    patch_submit(monkeypatch, serialize_job_as_the_pipeline_does)
     response = post_raw(lenient_client, "/", '{"inputs": "hi", "parameters": {"stop": ["\\udc00"]}}')
     assert_validation_error(response, "stop")
 

@@ -24,7 +24,7 @@ def engine(tiny_model_path: Path) -> Engine:
 def loop(engine: Engine, tiny_model_path: Path) -> WorkerLoop:
     settings = Settings(model_path=tiny_model_path, model_name="m")
     worker = WorkerLoop(settings, fakeredis.FakeRedis(), engine)
-    worker.ensure_group()
+    worker.connect()
     return worker
 
 

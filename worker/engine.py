@@ -91,6 +91,7 @@ class Engine:
         self._running: list[_Sequence] = []  # row order of self._batch
         self._batch: DecodeBatch | None = None
         self._cancelled: set[str] = set()
+        self._stopping: set[str] = set()
 
     @classmethod
     def load(cls, settings: Settings) -> "Engine":
@@ -129,17 +130,28 @@ class Engine:
         """Queue a job (it must :meth:`fits`) for admission at a following step."""
         if not self.fits(job):
             raise ValueError(f"request {job.request_id} does not fit this engine's limits")
-        if any(seq.job.request_id == job.request_id for seq in (*self._running, *self._waiting)):
+        if self._knows(job.request_id):
             raise ValueError(f"request {job.request_id} is already queued or running")
         max_new = min(job.params.max_new_tokens, self.max_total_tokens - len(job.input_ids))
         self._waiting.append(_Sequence(job, TextStream(self._decode, job.params.stop), max_new))
 
     def cancel(self, request_id: str) -> bool:
         """Drop a queued or running request at the next step (it gets no further event)."""
-        known = any(seq.job.request_id == request_id for seq in (*self._running, *self._waiting))
+        known = self._knows(request_id)
         if known:
             self._cancelled.add(request_id)
         return known
+
+    def stop(self, request_id: str) -> bool:
+        """End a queued or running request at its next token, with finish_reason ``stop_sequence`` (TGI's
+        reason for a stopped request); unlike :meth:`cancel` its client still gets a complete answer."""
+        known = self._knows(request_id)
+        if known:
+            self._stopping.add(request_id)
+        return known
+
+    def _knows(self, request_id: str) -> bool:
+        return any(seq.job.request_id == request_id for seq in (*self._running, *self._waiting))
 
     @property
     def idle(self) -> bool:
@@ -179,6 +191,7 @@ class Engine:
         if not self._cancelled:
             return
         cancelled, self._cancelled = self._cancelled, set()
+        self._stopping -= cancelled
         self._waiting = deque(seq for seq in self._waiting if seq.job.request_id not in cancelled)
         keep = [row for row, seq in enumerate(self._running) if seq.job.request_id not in cancelled]
         self._running, self._batch = self._select(self._running, self._batch, keep)
@@ -271,7 +284,7 @@ class Engine:
         text, stopped = seq.stream.push(token)
         generated = len(seq.stream.ids)
         reason: FinishReason | None = None
-        if stopped:
+        if stopped or seq.job.request_id in self._stopping:
             reason = "stop_sequence"
         elif token in self._eos_ids:
             reason = "eos_token"
@@ -279,6 +292,7 @@ class Engine:
             reason = "length"
         finish = None
         if reason is not None:
+            self._stopping.discard(seq.job.request_id)
             if not stopped:
                 rest, stopped = seq.stream.finish()
                 text += rest

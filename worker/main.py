@@ -2,7 +2,16 @@
 
 It reads jobs of its model from the job stream through the model's consumer group, hands them to the
 continuous-batching :class:`worker.engine.Engine`, publishes every token event to the job's reply channel
-and XACKs a job once its last event is published. Run N processes (same MODEL_NAME, any hosts) for a pool.
+and XACKs (and XDELs) a job once its last event is published. Run N processes (same MODEL_NAME, any
+hosts) for a pool. What it promises under failures is in docs/reliability.md:
+
+- a job stays pending in the group until its last event is out; while it runs, its worker keeps it fresh
+  (XCLAIM JUSTID on every heartbeat), so only a dead worker's jobs go idle, and live workers take those
+  over after ``claimIdleSeconds`` (XAUTOCLAIM); after ``maxDeliveries`` deliveries a job fails instead;
+- control messages (``cancel`` for a client that left, ``stop`` for stopInfer) reach running and queued
+  requests; jobs past their deadline are not started, and running ones are dropped when it passes;
+- a lost Redis connection drops the running batch (its clients were already told) and the loop reconnects
+  with backoff; SIGTERM stops taking jobs, finishes the running batch, then exits.
 """
 
 from __future__ import annotations
@@ -16,18 +25,22 @@ import time
 
 from pydantic import ValidationError
 from redis import Redis
+from redis.client import PubSub
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common import keys
-from common.protocol import ErrorEvent, Job
+from common.protocol import Control, ErrorEvent, Job
 from common.settings import Settings
 from worker.engine import Engine, StepOutput
 
 log = logging.getLogger("ferry.worker")
 
-HEARTBEAT_SECONDS = 2.0
 HEARTBEAT_TTL_SECONDS = 10.0
 IDLE_BLOCK_MS = 1000
+RECONNECT_FIRST_DELAY = 0.1
+RECONNECT_MAX_DELAY = 5.0
 
 
 class WorkerLoop:
@@ -42,41 +55,69 @@ class WorkerLoop:
         self.group = keys.worker_group(self.model)
         self.consumer = keys.consumer_name(settings.worker_pool, socket.gethostname(), os.getpid())
         self._inflight: dict[str, tuple[bytes, Job]] = {}  # request id -> (stream entry id, job)
+        self._control: PubSub | None = None
         self._running = True
+        # Heartbeats also keep this worker's pending jobs fresh: well within the idle time that lets
+        # another worker claim them.
+        self._heartbeat_every = min(2.0, settings.claim_idle_seconds / 3)
         self._next_heartbeat = 0.0
+        self._next_claim = 0.0
 
-    def ensure_group(self) -> None:
+    # -- set-up ------------------------------------------------------------------------------------
+
+    def connect(self) -> None:
+        """Create the consumer group if needed and subscribe to the model's control channel."""
         try:
             self.redis.xgroup_create(self.stream, self.group, id="0", mkstream=True)
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
-
-    def heartbeat(self, now: float) -> None:
-        if now >= self._next_heartbeat:
-            beats = keys.heartbeats(self.model)
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.zadd(beats, {self.consumer: now + HEARTBEAT_TTL_SECONDS})
-            pipe.zremrangebyscore(beats, "-inf", now)
-            pipe.execute()
-            self._next_heartbeat = now + HEARTBEAT_SECONDS
+        if self._control is not None:
+            self._control.close()
+        self._control = self.redis.pubsub(ignore_subscribe_messages=True)
+        self._control.subscribe(keys.control_channel(self.model))
 
     def stop(self) -> None:
         """Stop taking jobs; the running batch is finished and acknowledged before :meth:`run` returns."""
         self._running = False
 
     def run(self) -> None:
-        self.ensure_group()
         log.info("worker %s serving %s from %s", self.consumer, self.model, self.stream)
+        delay = RECONNECT_FIRST_DELAY
+        connected = False
         try:
             while self._running or not self.engine.idle:
-                self.run_once()
+                try:
+                    if not connected:
+                        self.connect()
+                        connected, delay = True, RECONNECT_FIRST_DELAY
+                    self.run_once()
+                except (RedisConnectionError, RedisTimeoutError, ResponseError) as exc:
+                    if isinstance(exc, ResponseError) and "NOGROUP" not in str(exc):
+                        raise
+                    log.warning("lost Redis (%s); dropping %d running requests, retrying in %.1f s",
+                                exc, len(self._inflight), delay)
+                    self.drop_all()
+                    connected = False
+                    time.sleep(delay)
+                    delay = min(delay * 2, RECONNECT_MAX_DELAY)
         finally:
-            self.redis.zrem(keys.heartbeats(self.model), self.consumer)
+            try:
+                self.redis.zrem(keys.heartbeats(self.model), self.consumer)
+            except (RedisConnectionError, RedisTimeoutError):
+                pass
+
+    # -- one iteration -----------------------------------------------------------------------------
 
     def run_once(self) -> None:
-        """Take new jobs while the engine has room, then run one engine step."""
-        self.heartbeat(time.time())
+        """Apply control messages and deadlines, take new jobs while the engine has room, run one step."""
+        now = time.time()
+        self.heartbeat(now)
+        self.apply_controls()
+        self.expire(now)
+        if self._running and now >= self._next_claim:
+            self._next_claim = now + self.settings.claim_idle_seconds / 2
+            self.claim_abandoned()
         while self._running and self.engine.has_room():
             # Block only when there is nothing to compute; otherwise poll and go on stepping.
             block = IDLE_BLOCK_MS if self.engine.idle else None
@@ -88,21 +129,98 @@ class WorkerLoop:
         if not self.engine.idle:
             self.step()
 
-    def accept(self, message_id: bytes, fields: dict[bytes, bytes]) -> None:
-        raw = fields.get(keys.JOB_FIELD.encode(), b"")
+    def heartbeat(self, now: float) -> None:
+        if now < self._next_heartbeat:
+            return
+        beats = keys.heartbeats(self.model)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zadd(beats, {self.consumer: now + HEARTBEAT_TTL_SECONDS})
+        pipe.zremrangebyscore(beats, "-inf", now)
+        if self._inflight:  # reset the idle time of our pending jobs: they are alive, not abandoned
+            ids = [message_id for message_id, _ in self._inflight.values()]
+            pipe.xclaim(self.stream, self.group, self.consumer, 0, ids, justid=True)
+        pipe.execute()
+        self._next_heartbeat = now + self._heartbeat_every
+
+    def apply_controls(self) -> None:
+        assert self._control is not None
+        while (message := self._control.get_message(timeout=0.0)) is not None:
+            if message["type"] != "message":
+                continue
+            try:
+                control = Control.model_validate_json(message["data"])
+            except ValidationError:
+                log.error("ignoring malformed control message %r", message["data"])
+                continue
+            self.apply_control(control)
+
+    def apply_control(self, control: Control) -> None:
+        if control.request_id not in self._inflight:
+            return  # another worker's request, or one this worker has not read yet (see accept)
+        if control.action == "stop":
+            self.engine.stop(control.request_id)
+        else:
+            self.engine.cancel(control.request_id)
+            self.ack([control.request_id])
+
+    def expire(self, now: float) -> None:
+        """Drop running requests whose deadline passed: their clients have been answered already."""
+        expired = [job for _, job in self._inflight.values() if job.deadline is not None and job.deadline < now]
+        for job in expired:
+            self.engine.cancel(job.request_id)
+        if expired:
+            self.fail(expired, "request timed out (e2eTimeout) while generating", "incomplete_generation")
+            self.ack([job.request_id for job in expired])
+
+    def claim_abandoned(self) -> None:
+        """Take over jobs a dead worker left pending, up to the engine's room; fail those tried too often."""
+        min_idle = int(self.settings.claim_idle_seconds * 1000)
+        _, claimed, _ = self.redis.xautoclaim(self.stream, self.group, self.consumer, min_idle, count=8)
+        for message_id, fields in claimed:
+            pending = self.redis.xpending_range(self.stream, self.group, message_id, message_id, 1)
+            deliveries = pending[0]["times_delivered"] if pending else 1
+            log.warning("claimed abandoned job %s (delivery %d)", message_id, deliveries)
+            if deliveries > self.settings.max_deliveries:
+                job = self._parse(message_id, fields)
+                if job is not None:
+                    self.fail([job], f"the request failed on {deliveries - 1} workers in a row (maxDeliveries "
+                                     f"{self.settings.max_deliveries}); giving up", "generation")
+                self._ack_ids([message_id])
+            else:
+                self.accept(message_id, fields)
+
+    def _parse(self, message_id: bytes, fields: dict[bytes, bytes]) -> Job | None:
         try:
-            job = Job.model_validate_json(raw)
+            return Job.model_validate_json(fields.get(keys.JOB_FIELD.encode(), b""))
         except ValidationError as exc:
-            # Nobody can be answered without a valid reply channel: drop it, loudly.
             log.error("dropping malformed job %s: %s", message_id, exc)
-            self.redis.xack(self.stream, self.group, message_id)
+            return None
+
+    def accept(self, message_id: bytes, fields: dict[bytes, bytes]) -> None:
+        job = self._parse(message_id, fields)
+        if job is None:  # nobody can be answered without a valid reply channel: drop it, loudly
+            self._ack_ids([message_id])
+            return
+        if job.request_id in self._inflight:  # re-claimed while still running here
+            return
+        if job.deadline is not None and job.deadline < time.time():
+            self.fail([job], "request timed out (e2eTimeout) before a worker could start it", "incomplete_generation")
+            self._ack_ids([message_id])
             return
         if not self.engine.fits(job):
-            self.fail([job], f"request does not fit this worker's limits ({len(job.input_ids)} prompt tokens)")
-            self.redis.xack(self.stream, self.group, message_id)
+            self.fail([job], f"request does not fit this worker's limits ({len(job.input_ids)} prompt tokens)",
+                      "generation")
+            self._ack_ids([message_id])
+            return
+        raw_control = self.redis.get(keys.control_key(self.model, job.request_id))
+        control = Control.model_validate_json(raw_control) if raw_control else None
+        if control is not None and control.action == "cancel":
+            self._ack_ids([message_id])
             return
         self._inflight[job.request_id] = (message_id, job)
         self.engine.add(job)
+        if control is not None:
+            self.apply_control(control)
 
     def step(self) -> None:
         try:
@@ -112,7 +230,7 @@ class WorkerLoop:
             jobs = [job for _, job in self._inflight.values()]
             for job in jobs:
                 self.engine.cancel(job.request_id)
-            self.fail(jobs, f"generation failed: {exc}")
+            self.fail(jobs, f"generation failed: {exc}", "generation")
             self.ack([job.request_id for job in jobs])
             return
         self.publish(outputs)
@@ -127,16 +245,28 @@ class WorkerLoop:
         pipe.execute()
         self.ack(finished)
 
-    def fail(self, jobs: list[Job], message: str) -> None:
+    def fail(self, jobs: list[Job], message: str, error_type: str) -> None:
         pipe = self.redis.pipeline(transaction=False)
         for job in jobs:
-            pipe.publish(job.reply_channel, ErrorEvent(message=message).model_dump_json())
+            pipe.publish(job.reply_channel, ErrorEvent(message=message, error_type=error_type).model_dump_json())
         pipe.execute()
 
     def ack(self, request_ids: list[str]) -> None:
-        ids = [self._inflight.pop(rid)[0] for rid in request_ids if rid in self._inflight]
-        if ids:
-            self.redis.xack(self.stream, self.group, *ids)
+        self._ack_ids([self._inflight.pop(rid)[0] for rid in request_ids if rid in self._inflight])
+
+    def _ack_ids(self, message_ids: list[bytes]) -> None:
+        """Done with these entries: acknowledge and delete them (the stream's length is the queue depth)."""
+        if message_ids:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xack(self.stream, self.group, *message_ids)
+            pipe.xdel(self.stream, *message_ids)
+            pipe.execute()
+
+    def drop_all(self) -> None:
+        """Forget every running request (after losing Redis: their clients have been answered)."""
+        for request_id in self._inflight:
+            self.engine.cancel(request_id)
+        self._inflight.clear()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,42 @@
+"""A stand-in for the queue and the workers, for adapter tests that need no Redis and no model."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+import api.kserve
+import api.pipeline
+import api.tgi
+from api.context import ServerContext
+from api.pipeline import GenerationRequest, PipelineError
+from common.protocol import TokenEvent
+
+SubmitFn = Callable[[ServerContext, GenerationRequest], Awaitable["FakeSubmission"]]
+
+
+class FakeSubmission:
+    """Replays the given events like :class:`api.pipeline.Submission`, then raises ``error`` if given."""
+
+    def __init__(self, ctx: ServerContext, events: list[TokenEvent], error: PipelineError | None = None) -> None:
+        self.ctx = ctx
+        self._events = events
+        self._error = error
+        self.closed = False
+
+    async def events(self, disconnected=None) -> AsyncIterator[TokenEvent]:
+        for event in self._events:
+            yield event
+        if self._error is not None:
+            raise self._error
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def patch_submit(monkeypatch: pytest.MonkeyPatch, submit: SubmitFn) -> None:
+    """Route every adapter's queueing (``generate`` and streams alike) through ``submit``."""
+    for module in (api.pipeline, api.tgi, api.kserve):
+        if hasattr(module, "submit"):
+            monkeypatch.setattr(module, "submit", submit)
