@@ -373,6 +373,22 @@ def test_cancel_drops_queued_and_running_requests(model, served, tokenizer, prom
         assert token_ids(events[job.request_id]) == greedy_reference(model, job.input_ids, 20)
 
 
+def test_stop_ends_a_request_with_a_complete_answer(model, served, tokenizer, prompts) -> None:
+    engine = make_engine(served, tokenizer)
+    stopped, other = make_job(prompts[2], max_new_tokens=20), make_job(prompts[5], max_new_tokens=20)
+    events: dict[str, list[TokenEvent]] = {}
+    engine.add(stopped)
+    engine.add(other)
+    for _ in range(3):
+        collect(engine.step(), events)
+    assert engine.stop(stopped.request_id) and not engine.stop("unknown")
+    run(engine, {}, events)
+    stream = events[stopped.request_id]
+    assert len(stream) == 4 and stream[-1].finish.finish_reason == "stop_sequence"
+    assert stream[-1].finish.generated_text == tokenizer.decode(token_ids(stream), skip_special_tokens=True)
+    assert token_ids(events[other.request_id]) == greedy_reference(model, other.input_ids, 20)
+
+
 def test_a_failing_request_does_not_stop_the_others(model, served, tokenizer, prompts, monkeypatch) -> None:
     engine = make_engine(served, tokenizer)
     bad, good = make_job(prompts[0], max_new_tokens=10), make_job(prompts[1], max_new_tokens=10)

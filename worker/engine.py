@@ -263,7 +263,9 @@ class Engine:
                 event = ErrorEvent(message=f"generation failed: {exc}")
             output = StepOutput(seq.job, event)
             outputs.append(output)
-            if not output.finished:
+            if output.finished:
+                self._stopping.discard(seq.job.request_id)
+            else:
                 keep.append(row)
         return self._select(sequences, batch, keep)
 
@@ -292,7 +294,6 @@ class Engine:
             reason = "length"
         finish = None
         if reason is not None:
-            self._stopping.discard(seq.job.request_id)
             if not stopped:
                 rest, stopped = seq.stream.finish()
                 text += rest
