@@ -323,14 +323,21 @@ def test_kv_budget_makes_jobs_wait(model, served, tokenizer, prompts) -> None:
     engine.add(jobs[2])
     assert not engine.has_room()
     events: dict[str, list[TokenEvent]] = {}
+    first_token_step: dict[str, int] = {}
+    finish_step: dict[str, int] = {}
+    step = 0
     while not engine.idle:
-        for output in engine.step():
-            events.setdefault(output.job.request_id, []).append(output.event)
-        running = [job for job, n in zip(jobs, reserved) if events.get(job.request_id) and not events[job.request_id][-1].finish]
-        assert sum(len(job.input_ids) + job.params.max_new_tokens for job in running) <= budget
+        collect(engine.step(), events)
+        for request_id, stream in events.items():
+            first_token_step.setdefault(request_id, step)
+            if stream[-1].finish is not None:
+                finish_step.setdefault(request_id, step)
+        running = [i for i, job in enumerate(jobs) if job.request_id in events and job.request_id not in finish_step]
+        assert sum(reserved[i] for i in running) <= budget
         assert engine.batch_size == len(running)
-    first, short, waiter = (events[job.request_id] for job in jobs)
-    assert len(waiter) == 30 and len(short) == 8
+        step += 1
+    short, waiter = jobs[1].request_id, jobs[2].request_id
+    assert first_token_step[waiter] == finish_step[short] + 1  # joined right after room was made
     for job in jobs:
         assert token_ids(events[job.request_id]) == greedy_reference(model, job.input_ids, job.params.max_new_tokens)
 
