@@ -64,6 +64,9 @@ class StopSequenceFilter:
 
     def __init__(self, stops: Sequence[str]) -> None:
         self._stops = [stop for stop in stops if stop]
+        # Every proper prefix of a stop sequence: the tails that must be held back.
+        self._starts = {stop[:length] for stop in self._stops for length in range(1, len(stop))}
+        self._longest_start = max((len(start) for start in self._starts), default=0)
         self._pending = ""
 
     def push(self, text: str) -> tuple[str, bool]:
@@ -87,13 +90,10 @@ class StopSequenceFilter:
 
     def _partial_match_length(self, text: str) -> int:
         """Length of the longest tail of ``text`` that a stop sequence starts with."""
-        best = 0
-        for stop in self._stops:
-            for length in range(min(len(stop) - 1, len(text)), best, -1):
-                if text.endswith(stop[:length]):
-                    best = length
-                    break
-        return best
+        for length in range(min(self._longest_start, len(text)), 0, -1):
+            if text[-length:] in self._starts:
+                return length
+        return 0
 
 
 class TextStream:
