@@ -24,9 +24,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import redis
-import uvicorn
 
-from api.app import create_app
+from api.main import serve
 from common.settings import Settings
 from worker.tiny_model import ensure_tiny_model
 
@@ -132,14 +131,7 @@ def main(argv: list[str] | None = None) -> None:
         env = {**os.environ, "REDIS_URL": redis_url, "MODEL_PATH": str(settings.resolved_model_path),
                "MODEL_NAME": settings.served_model_name}
         with worker_processes(args.workers, env):
-            uvicorn.run(
-                create_app(settings),
-                host=settings.host,
-                port=settings.port,
-                log_level="info",
-                # Open streams get shutdownGraceSeconds to finish (api/sse.py), then a little for the rest.
-                timeout_graceful_shutdown=settings.shutdown_grace_seconds + 5,
-            )
+            serve(settings)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,18 @@ from api.app import create_app
 from common.settings import Settings
 
 
+def serve(settings: Settings) -> None:
+    """Serve the API app in the foreground until SIGINT/SIGTERM, then drain gracefully."""
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        # Open streams get shutdownGraceSeconds to finish (api/sse.py), then a little for the rest.
+        timeout_graceful_shutdown=settings.shutdown_grace_seconds + 5,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--redis-url", help="overrides REDIS_URL")
@@ -21,14 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     overrides = {k: v for k, v in vars(args).items() if v is not None}
     settings = Settings(**overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level="info",
-        # Open streams get shutdownGraceSeconds to finish (api/sse.py), then a little for the rest.
-        timeout_graceful_shutdown=settings.shutdown_grace_seconds + 5,
-    )
+    serve(settings)
 
 
 if __name__ == "__main__":
