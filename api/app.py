@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
-from api import __version__, kserve, tgi
+from api import __version__, kserve, openai, tgi
 from api.context import ModelInfo, ServerContext
 from api.relay import EventRelay
 from common.settings import Settings
@@ -37,9 +37,10 @@ def create_app(settings: Settings, redis: Redis | None = None) -> FastAPI:
     app = FastAPI(
         title="Ferry",
         version=__version__,
-        summary="LLM inference: TGI-compatible and KServe v2 APIs over Redis Streams",
+        summary="LLM inference: TGI-compatible, KServe v2 and OpenAI-compatible APIs over Redis Streams",
         lifespan=lifespan,
     )
     app.include_router(tgi.router)
     app.include_router(kserve.router)
+    app.include_router(openai.router)
     return app

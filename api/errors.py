@@ -9,7 +9,7 @@ route ``{"error"}``, whatever went wrong.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 from fastapi import Request, Response
@@ -17,6 +17,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 from pydantic import ValidationError
+
+from api.pipeline import PipelineError
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +40,10 @@ class ProtocolError(Exception):
 
 
 def _field(error: Any) -> str:
-    """The dotted path of the field a pydantic error is about ("" for the body as a whole)."""
+    """The dotted path of the field a pydantic error is about ("" for the body as a whole, and for JSON that
+    does not parse, whose location is a character position)."""
+    if error.get("type") == "json_invalid":
+        return ""
     return ".".join(str(p) for p in error.get("loc", ()) if str(p) not in _NOT_FIELDS and "[" not in str(p))
 
 
@@ -59,6 +64,13 @@ def validation_error(exc: ValidationError | RequestValidationError, status: int 
     errors = exc.errors()
     message = VALIDATION_PREFIX + describe_validation_errors(errors)
     return ProtocolError(status, message, "validation", _field(errors[0]) or None)
+
+
+def pipeline_error(exc: PipelineError, statuses: Mapping[str, int]) -> ProtocolError:
+    """A pipeline failure as a protocol error: the adapter's status for its type (500 when it has none), and
+    the validation prefix on a validation failure (a request id already in flight)."""
+    message = VALIDATION_PREFIX + exc.message if exc.error_type == "validation" else exc.message
+    return ProtocolError(statuses.get(exc.error_type, 500), message, exc.error_type)
 
 
 class BodyTooLarge(HTTPException):

@@ -27,7 +27,7 @@ from redis.exceptions import RedisError
 
 from api import __version__
 from api.context import ServerContext, get_ctx
-from api.errors import VALIDATION_PREFIX, ProtocolError, error_route_class, validation_error
+from api.errors import VALIDATION_PREFIX, ProtocolError, error_route_class, pipeline_error, validation_error
 from api.kserve_schemas import (
     DATATYPE,
     INPUT_NAME,
@@ -197,16 +197,11 @@ async def text_to_generation_request(ctx: ServerContext, body: KServeGenerateReq
     )
 
 
-def _pipeline_error(exc: PipelineError) -> ProtocolError:
-    message = VALIDATION_PREFIX + exc.message if exc.error_type == "validation" else exc.message
-    return ProtocolError(PIPELINE_STATUS.get(exc.error_type, 500), message, exc.error_type)
-
-
 async def _run(ctx: ServerContext, request: GenerationRequest, http: Request) -> GenerationResult:
     try:
         return await generate(ctx, request, http.is_disconnected)
     except PipelineError as exc:
-        raise _pipeline_error(exc) from None
+        raise pipeline_error(exc, PIPELINE_STATUS) from None
 
 
 def infer_response(
@@ -274,7 +269,7 @@ async def generate_stream_route(body: KServeGenerateRequest, ctx: Ctx) -> Respon
     try:
         submission = await submit(ctx, request)
     except PipelineError as exc:
-        raise _pipeline_error(exc) from None
+        raise pipeline_error(exc, PIPELINE_STATUS) from None
 
     async def render(events: AsyncIterator[TokenEvent]) -> AsyncIterator[str]:
         """One event per token with its text delta."""

@@ -15,6 +15,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 
 import anyio
 from pydantic import BaseModel, Field
@@ -96,9 +97,11 @@ def validate_stop(value: list[str] | str | None) -> list[str]:
     return stops
 
 
-async def tokenize(ctx: ServerContext, text: str) -> list[int]:
-    """The prompt's token ids, computed off the event loop (a long prompt takes a while)."""
-    return (await anyio.to_thread.run_sync(ctx.model.tokenizer, text))["input_ids"]
+async def tokenize(ctx: ServerContext, text: str, add_special_tokens: bool = True) -> list[int]:
+    """The prompt's token ids, computed off the event loop (a long prompt takes a while). Text rendered by a
+    chat template already holds the special tokens it needs (BOS too): it takes ``add_special_tokens=False``."""
+    encode = partial(ctx.model.tokenizer, text, add_special_tokens=add_special_tokens)
+    return (await anyio.to_thread.run_sync(encode))["input_ids"]
 
 
 async def unready_reason(ctx: ServerContext) -> str | None:

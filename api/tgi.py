@@ -16,7 +16,7 @@ from sse_starlette import EventSourceResponse
 
 from api import __version__
 from api.context import ServerContext, get_ctx
-from api.errors import VALIDATION_PREFIX, ProtocolError, error_route_class
+from api.errors import VALIDATION_PREFIX, ProtocolError, error_route_class, pipeline_error
 from api.pipeline import (
     MAX_STOP_ITEMS,
     REQUEST_ID_PATTERN,
@@ -138,17 +138,12 @@ PIPELINE_STATUS = {
 }
 
 
-def _pipeline_error(exc: PipelineError) -> ProtocolError:
-    message = VALIDATION_PREFIX + exc.message if exc.error_type == "validation" else exc.message
-    return ProtocolError(PIPELINE_STATUS.get(exc.error_type, 500), message, exc.error_type)
-
-
 async def _run(ctx: ServerContext, body: TGIRequest, request_id: str, http: Request) -> TGIGenerateResponse:
     request = await to_generation_request(ctx, body, request_id, stream=False)
     try:
         result = await generate(ctx, request, http.is_disconnected)
     except PipelineError as exc:
-        raise _pipeline_error(exc) from None
+        raise pipeline_error(exc, PIPELINE_STATUS) from None
     return _generate_response(body, result)
 
 
@@ -193,7 +188,7 @@ async def _stream(
     try:
         submission = await submit(ctx, request)
     except PipelineError as exc:
-        raise _pipeline_error(exc) from None
+        raise pipeline_error(exc, PIPELINE_STATUS) from None
 
     async def render(events: AsyncIterator[TokenEvent]) -> AsyncIterator[str]:
         text_so_far = ""

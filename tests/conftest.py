@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -26,6 +27,25 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The project's tiny Llama model, made once per test session."""
     return ensure_tiny_model(tmp_path_factory.getbasetemp() / "tiny-llama")
+
+
+# A ChatML-like template for tests of chat routes (the tiny model itself has none); it starts with BOS, as
+# Llama's templates do.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def chat_model_path(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the tiny model whose tokenizer has :data:`CHAT_TEMPLATE`."""
+    path = tmp_path_factory.mktemp("models") / "tiny-llama-chat"
+    shutil.copytree(tiny_model_path, path)
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    return path
 
 
 def free_port() -> int:

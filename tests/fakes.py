@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 import api.kserve
+import api.openai
 import api.pipeline
 import api.tgi
 from api.context import ServerContext
@@ -37,6 +38,6 @@ class FakeSubmission:
 
 def patch_submit(monkeypatch: pytest.MonkeyPatch, submit: SubmitFn) -> None:
     """Route every adapter's queueing (``generate`` and streams alike) through ``submit``."""
-    for module in (api.pipeline, api.tgi, api.kserve):
+    for module in (api.pipeline, api.tgi, api.kserve, api.openai):
         if hasattr(module, "submit"):
             monkeypatch.setattr(module, "submit", submit)

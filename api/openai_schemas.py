@@ -1,0 +1,427 @@
+"""Request and response shapes of the OpenAI-compatible routes (``/v1/completions``, ``/v1/chat/completions``,
+``/v1/models``).
+
+Field rules live on the models, one validator per rule, each message naming its field; rules that need the
+tokenizer, the model or the server limits live in :mod:`api.openai`. ``null`` means unset everywhere, and
+unknown fields are ignored (as vLLM does). OpenAI parameters that would change the output but are not
+implemented are rejected with a clear message instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
+
+from api.pipeline import MAX_INPUT_CHARS, check_text, validate_stop
+
+OPENAI_MAX_STOP = 4  # OpenAI's cap on stop sequences, stricter than the pipeline's
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+TOOL_ROLES = ("tool", "function")
+
+OpenAIFinishReason = Literal["stop", "length"]
+
+
+def _unsupported(field: str, value: Any, why: str) -> ValueError:
+    return ValueError(f"`{field}` {why}. Given: {value!r}")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    include_usage: bool | None = None
+
+
+class SamplingRequest(BaseModel):
+    """The fields ``/v1/completions`` and ``/v1/chat/completions`` share."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: list[str] | str | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # accepted and ignored: it only identifies the end user to OpenAI
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens(cls, v: int | None) -> int | None:
+        if v is not None and v <= 0:
+            raise ValueError(f"`max_tokens` must be strictly positive. Given: {v}")
+        return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float | None) -> float | None:
+        if v is not None and not 0.0 <= v <= 2.0:
+            raise ValueError(f"`temperature` must be >= 0 and <= 2 (0 = greedy). Given: {v}")
+        return v
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v: float | None) -> float | None:
+        if v is not None and not 0.0 < v <= 1.0:
+            raise ValueError(f"`top_p` must be > 0 and <= 1 (1 = off). Given: {v}")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v: int | None) -> int | None:
+        if v is not None and v != 1:
+            raise _unsupported("n", v, "must be 1: this server returns one choice per request")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: list[str] | str | None) -> list[str]:
+        stops = validate_stop(v)
+        if len(stops) > OPENAI_MAX_STOP:
+            raise ValueError(f"`stop` supports up to {OPENAI_MAX_STOP} stop sequences. Given: {len(stops)}")
+        return stops
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: int | None) -> int | None:
+        if v is not None and not INT64_MIN <= v <= INT64_MAX:
+            raise ValueError(f"`seed` must be a 64-bit signed integer, >= {INT64_MIN} and <= {INT64_MAX}. Given: {v}")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, v: float | None, info: ValidationInfo) -> float | None:
+        if v:
+            raise _unsupported(info.field_name, v, "is not supported, only 0: this server has no such penalty "
+                               "(its repetition_penalty is a different, multiplicative penalty)")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v:
+            raise _unsupported("logit_bias", v, "is not supported yet, only an empty object")
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("`stream_options` is only allowed when `stream` is true")
+        return v
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingRequest):
+    """Body of ``POST /v1/completions``. ``prompt`` is one text, or one list of token ids (a list holding
+    one of either is the same prompt); several prompts in one request are not supported."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+    logprobs: int | None = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> str | list[int]:
+        """One prompt, as text or as token ids; the union's own type errors are replaced by one clear message."""
+        try:
+            v = handler(value)
+        except ValidationError:
+            raise ValueError("`prompt` must be a string, a list of integer token ids, or a list holding one of "
+                             "either") from None
+        if isinstance(v, list) and (not v or not isinstance(v[0], int)):
+            if len(v) != 1:
+                raise ValueError("`prompt` must be one prompt: send one request per prompt (batches are not "
+                                 f"supported). Given: a list of {len(v)} prompts")
+            v = v[0]
+        if isinstance(v, str):
+            if not v:
+                raise ValueError("`prompt` cannot be empty")
+            if len(v) > MAX_INPUT_CHARS:
+                raise ValueError(f"`prompt` must have at most {MAX_INPUT_CHARS} characters. Given: {len(v)}")
+            return check_text("prompt", v)
+        if not v:
+            raise ValueError("`prompt` cannot be an empty list of token ids")
+        bad = next((i for i in v if i < 0), None)
+        if bad is not None:
+            raise ValueError(f"`prompt` token ids must be >= 0. Given: {bad}")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, v: bool | None) -> bool | None:
+        if v:
+            raise _unsupported("echo", v, "is not supported, only false")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v: int | None) -> int | None:
+        if v is not None and v != 1:
+            raise _unsupported("best_of", v, "must be 1: best-of sampling is not supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise _unsupported("suffix", v, "is not supported (no insertion mode)")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v: int | None) -> int | None:
+        if v is not None:
+            raise _unsupported("logprobs", v, "is not supported yet")
+        return v
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content; only ``{"type": "text", "text": ...}`` is accepted."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+
+    @property
+    def text(self) -> str:
+        """The content as one string: text parts are joined with newlines (as vLLM does)."""
+        assert self.content is not None  # the request validator requires content
+        return self.content if isinstance(self.content, str) else "\n".join(p.text or "" for p in self.content)
+
+    def for_template(self) -> dict[str, str]:
+        """The message as chat templates take it; ``developer`` (OpenAI's newer name) is ``system``."""
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.text}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: str
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """Body of ``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        if not v:
+            raise ValueError("`messages` must hold at least one message")
+        for i, message in enumerate(v):
+            where = f"messages[{i}]"
+            if message.role in TOOL_ROLES:
+                raise ValueError(f"`{where}.role` '{message.role}' is not supported: this server has no tool calling")
+            if message.role not in CHAT_ROLES:
+                raise ValueError(f"`{where}.role` must be one of {', '.join(map(repr, CHAT_ROLES))}. "
+                                 f"Given: {message.role!r}")
+            if message.tool_calls:
+                raise ValueError(f"`{where}.tool_calls` is not supported: this server has no tool calling")
+            if message.content is None:
+                raise ValueError(f"`{where}.content` is required")
+            for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+                if part.type != "text":
+                    raise ValueError(f"`{where}.content[{j}]` of type {part.type!r} is not supported: the served "
+                                     "model takes text only")
+                if part.text is None:
+                    raise ValueError(f"`{where}.content[{j}].text` is required")
+            check_text(f"{where}.content", message.text)
+        total = sum(len(message.text) for message in v)
+        if total > MAX_INPUT_CHARS:
+            raise ValueError(f"`messages` must have at most {MAX_INPUT_CHARS} characters of content. Given: {total}")
+        return v
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _max_completion_tokens(cls, v: int | None) -> int | None:
+        if v is not None and v <= 0:
+            raise ValueError(f"`max_completion_tokens` must be strictly positive. Given: {v}")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v: bool | None) -> bool | None:
+        if v:
+            raise _unsupported("logprobs", v, "is not supported yet, only false")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v: int | None) -> int | None:
+        if v:
+            raise _unsupported("top_logprobs", v, "is not supported yet")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v: ResponseFormat | None) -> ResponseFormat | None:
+        if v is not None and v.type != "text":
+            raise _unsupported("response_format.type", v.type, "is not supported, only 'text'")
+        return v
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _tools(cls, v: list[Any] | None, info: ValidationInfo) -> list[Any] | None:
+        if v:
+            raise ValueError(f"`{info.field_name}` is not supported: this server has no tool calling")
+        return v
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _tool_choice(cls, v: str | dict[str, Any] | None, info: ValidationInfo) -> str | dict[str, Any] | None:
+        if v is not None and v != "none":
+            raise _unsupported(info.field_name, v, "is not supported, only 'none': this server has no tool calling")
+        return v
+
+    @model_validator(mode="after")
+    def _one_token_limit(self) -> ChatCompletionRequest:
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("`max_tokens` and `max_completion_tokens` disagree: give one of them. "
+                             f"Given: {self.max_tokens} and {self.max_completion_tokens}")
+        return self
+
+    @property
+    def token_limit(self) -> int | None:
+        """``max_completion_tokens`` (OpenAI's current name), else the deprecated ``max_tokens``."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# --------------------------------------------------------------------------------------------- responses
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    text: str
+    index: int = 0
+    logprobs: None = None
+    finish_reason: OpenAIFinishReason | None = None
+
+
+class Completion(BaseModel):
+    """The completion, and each chunk of its stream (``text`` is then the delta)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: OpenAIFinishReason
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: OpenAIFinishReason | None = None
+
+    @field_serializer("delta")
+    def _delta(self, delta: ChatDelta) -> dict[str, str]:
+        """Only the fields the delta sets, as OpenAI sends them (the last chunk's delta is ``{}``)."""
+        return delta.model_dump(exclude_none=True)
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class OpenAIError(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class OpenAIErrorResponse(BaseModel):
+    error: OpenAIError

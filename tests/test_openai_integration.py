@@ -1,0 +1,215 @@
+"""End to end over a real Redis: the OpenAI-compatible routes of separate API and worker processes, driven by
+the official ``openai`` client (sync and async, streamed and not), cross-checked against the TGI routes.
+
+Completions run on the session ``stack`` (the tiny model, no chat template); chat runs on a stack of a copy of
+the tiny model whose tokenizer has a chat template (``chat_model_path``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from openai import AsyncOpenAI, OpenAI
+from transformers import AutoTokenizer
+
+from tests.conftest import Stack, start_stack, stop_stack
+
+PROMPT = "def main("
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Write a function."}]
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def chat_stack(redis_url: str, chat_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    running = start_stack(redis_url, chat_model_path, tmp_path_factory.mktemp("stack-chat"))
+    yield running
+    stop_stack(running)
+
+
+def client_for(stack: Stack) -> OpenAI:
+    return OpenAI(base_url=f"{stack.base_url}/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def async_client_for(stack: Stack) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def tgi_greedy(stack: Stack, inputs: str, max_new_tokens: int = MAX_TOKENS) -> dict:
+    """The TGI route's greedy generation of the same prompt: the reference for temperature 0."""
+    body = {"inputs": inputs, "parameters": {"max_new_tokens": max_new_tokens, "details": True, "do_sample": False}}
+    response = httpx.post(f"{stack.base_url}/generate", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tiny_model_path: Path) -> list[int]:
+    return AutoTokenizer.from_pretrained(tiny_model_path)(PROMPT).input_ids
+
+
+@pytest.fixture(scope="module")
+def chat_prompt(chat_model_path: Path) -> str:
+    """The messages as the chat template renders them, ready for the assistant's turn, without the template's
+    leading BOS: the TGI route adds BOS itself, so it then gets the same prompt ids as the chat route."""
+    tokenizer = AutoTokenizer.from_pretrained(chat_model_path)
+    rendered = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    assert rendered.startswith(tokenizer.bos_token)
+    return rendered.removeprefix(tokenizer.bos_token)
+
+
+def test_models(stack: Stack) -> None:
+    client = client_for(stack)
+    assert [model.id for model in client.models.list()] == [stack.model_name]
+    model = client.models.retrieve(stack.model_name)
+    assert (model.id, model.object, model.owned_by) == (stack.model_name, "model", "ferry")
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("gpt-4o")
+    assert caught.value.code == "model_not_found"
+
+
+def test_completion_greedy_equals_tgi(stack: Stack, prompt_ids: list[int]) -> None:
+    expected = tgi_greedy(stack, PROMPT)
+    completion = client_for(stack).completions.create(
+        model=stack.model_name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert completion.id.startswith("cmpl-") and completion.object == "text_completion"
+    assert completion.model == stack.model_name
+    [choice] = completion.choices
+    assert choice.text == expected["generated_text"]
+    assert choice.finish_reason == "length" and choice.index == 0
+    assert completion.usage is not None
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (len(prompt_ids), MAX_TOKENS)
+    assert completion.usage.total_tokens == len(prompt_ids) + MAX_TOKENS
+
+
+def test_completion_of_token_ids_equals_text_prompt(stack: Stack, prompt_ids: list[int]) -> None:
+    completion = client_for(stack).completions.create(
+        model=stack.model_name, prompt=prompt_ids, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert completion.choices[0].text == tgi_greedy(stack, PROMPT)["generated_text"]
+
+
+def test_completion_stream_with_usage(stack: Stack, prompt_ids: list[int]) -> None:
+    chunks = list(client_for(stack).completions.create(
+        model=stack.model_name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ))
+    *text_chunks, usage_chunk = chunks
+    assert "".join(c.choices[0].text for c in text_chunks) == tgi_greedy(stack, PROMPT)["generated_text"]
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == "length"
+    assert all(c.usage is None for c in text_chunks)
+    assert usage_chunk.choices == [] and usage_chunk.usage is not None
+    assert (usage_chunk.usage.prompt_tokens, usage_chunk.usage.completion_tokens) == (len(prompt_ids), MAX_TOKENS)
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_stop_string_is_excluded(stack: Stack) -> None:
+    full = tgi_greedy(stack, PROMPT, 20)["generated_text"]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    expected = full[: full.index(stop)]
+    client = client_for(stack)
+    completion = client.completions.create(
+        model=stack.model_name, prompt=PROMPT, max_tokens=20, temperature=0, stop=stop
+    )
+    assert (completion.choices[0].text, completion.choices[0].finish_reason) == (expected, "stop")
+    chunks = list(client.completions.create(
+        model=stack.model_name, prompt=PROMPT, max_tokens=20, temperature=0, stop=[stop, "never seen"], stream=True
+    ))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_seed_reproducibility(stack: Stack) -> None:
+    client = client_for(stack)
+
+    def sample(seed: int) -> str:
+        return client.completions.create(
+            model=stack.model_name, prompt=PROMPT, max_tokens=12, temperature=1.5, seed=seed
+        ).choices[0].text
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert sample(99) != first
+
+
+def test_errors_in_openai_shape(stack: Stack) -> None:
+    client = client_for(stack)
+    with pytest.raises(openai.NotFoundError) as not_found:
+        client.completions.create(model="gpt-4o", prompt=PROMPT)
+    assert not_found.value.code == "model_not_found" and not_found.value.param == "model"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=stack.model_name, prompt=PROMPT, n=2, stream=True)
+    assert bad.value.status_code == 400 and bad.value.param == "n" and bad.value.type == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as no_template:
+        client.chat.completions.create(model=stack.model_name, messages=MESSAGES)
+    assert "has no chat template" in no_template.value.message
+
+
+async def test_async_client_completions(stack: Stack) -> None:
+    expected = tgi_greedy(stack, PROMPT)["generated_text"]
+    async with async_client_for(stack) as client:
+        completion = await client.completions.create(
+            model=stack.model_name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0
+        )
+        stream = await client.completions.create(
+            model=stack.model_name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stream=True
+        )
+        streamed = "".join([chunk.choices[0].text async for chunk in stream])
+    assert completion.choices[0].text == streamed == expected
+
+
+def test_chat_greedy_equals_tgi(chat_stack: Stack, chat_prompt: str) -> None:
+    expected = tgi_greedy(chat_stack, chat_prompt)
+    completion = client_for(chat_stack).chat.completions.create(
+        model=chat_stack.model_name, messages=MESSAGES, max_completion_tokens=MAX_TOKENS, temperature=0
+    )
+    assert completion.id.startswith("chatcmpl-") and completion.object == "chat.completion"
+    [choice] = completion.choices
+    assert (choice.message.role, choice.message.content) == ("assistant", expected["generated_text"])
+    assert choice.finish_reason == "length"
+    assert completion.usage is not None
+    usage = completion.usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (expected["details"]["prompt_tokens"], MAX_TOKENS)
+    assert usage.total_tokens == usage.prompt_tokens + MAX_TOKENS
+
+
+def test_chat_stream_with_usage(chat_stack: Stack, chat_prompt: str) -> None:
+    chunks = list(client_for(chat_stack).chat.completions.create(
+        model=chat_stack.model_name, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ))
+    first, *content, last, usage_chunk = chunks
+    assert first.object == "chat.completion.chunk"
+    assert (first.choices[0].delta.role, first.choices[0].delta.content) == ("assistant", "")
+    assert "".join(c.choices[0].delta.content for c in content) == tgi_greedy(chat_stack, chat_prompt)["generated_text"]
+    assert all(c.choices[0].finish_reason is None for c in content)
+    assert last.choices[0].finish_reason == "length" and last.choices[0].delta.content is None
+    assert usage_chunk.choices == [] and usage_chunk.usage is not None
+    assert usage_chunk.usage.completion_tokens == MAX_TOKENS
+
+
+async def test_async_client_chat(chat_stack: Stack, chat_prompt: str) -> None:
+    expected = tgi_greedy(chat_stack, chat_prompt)["generated_text"]
+    async with async_client_for(chat_stack) as client:
+        completion = await client.chat.completions.create(
+            model=chat_stack.model_name, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0
+        )
+        stream = await client.chat.completions.create(
+            model=chat_stack.model_name, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, stream=True
+        )
+        streamed = "".join([chunk.choices[0].delta.content or "" async for chunk in stream])
+    assert completion.choices[0].message.content == streamed == expected
+
+
+def test_chat_stop_string_is_excluded(chat_stack: Stack, chat_prompt: str) -> None:
+    full = tgi_greedy(chat_stack, chat_prompt, 20)["generated_text"]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    completion = client_for(chat_stack).chat.completions.create(
+        model=chat_stack.model_name, messages=MESSAGES, max_tokens=20, temperature=0, stop=[stop]
+    )
+    assert completion.choices[0].message.content == full[: full.index(stop)]
+    assert completion.choices[0].finish_reason == "stop"
