@@ -42,5 +42,6 @@ def create_app(settings: Settings, redis: Redis | None = None) -> FastAPI:
     )
     app.include_router(tgi.router)
     app.include_router(kserve.router)
+    app.include_router(kserve.control_router)
     app.include_router(openai.router)
     return app
