@@ -1,24 +1,64 @@
-"""Server settings shared by the API pods and the workers.
+"""Server settings shared by the API pods, the workers and the operator tools.
 
 Names follow the spec's server configuration (maxIterTimes, maxSeqLen, ...). Each setting is read from,
 in order of precedence: an environment variable (the SCREAMING_SNAKE form, e.g. ``MAX_ITER_TIMES``, or the
 spec's camelCase name), the JSON file named by ``FERRY_CONFIG``, then the default below.
+
+The file has MindIE's layout (``deploy/ferry.json`` is a complete example)::
+
+    {"ServerConfig": {"ipAddress": ..., "port": ..., "httpsEnabled": ..., "maxLinkNum": ...},
+     "LogConfig": {"logFormat": ..., "logLevel": ...},
+     "BackendConfig": {"redisUrl": ..., "device": ...,
+                       "ScheduleConfig": {"maxBatchSize": ..., "maxIterTimes": ..., "maxQueueSize": ...},
+                       "ModelDeployConfig": {"maxSeqLen": ..., "truncation": 0,
+                                             "ModelConfig": [{"modelName": ..., "modelWeightPath": ...}]}}}
+
+Each setting belongs to one section (the ``section`` of its field below); the file is flattened to the
+camelCase keys, so a flat object of those keys (the older form) is accepted too. An unknown key, in either
+form, is an error that names it: a typo must not silently fall back to a default.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
+import logging
 import os
+import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
+
+Section = Literal["ServerConfig", "LogConfig", "BackendConfig", "ScheduleConfig", "ModelDeployConfig"]
+# Where each section sits in the nested file.
+SECTION_PATHS: dict[str, tuple[str, ...]] = {
+    "ServerConfig": ("ServerConfig",),
+    "LogConfig": ("LogConfig",),
+    "BackendConfig": ("BackendConfig",),
+    "ScheduleConfig": ("BackendConfig", "ScheduleConfig"),
+    "ModelDeployConfig": ("BackendConfig", "ModelDeployConfig"),
+}
 
 
-def _spec(name: str, env: str) -> AliasChoices:
-    """Accept the spec's camelCase key (config file) and an upper-case env var for one setting."""
-    return AliasChoices(name, env)
+class ConfigError(ValueError):
+    """The configuration cannot be used; the message names the key at fault."""
+
+
+def _spec(section: Section | None, key: str, env: str) -> dict[str, Any]:
+    """Field options of one setting: its camelCase key (config file), its env var, and its file section
+    (None: the flat form and env only, e.g. the model of a single-model deployment)."""
+    return {"validation_alias": AliasChoices(key, env), "json_schema_extra": {"section": section, "env": env}}
 
 
 def default_model_dir() -> Path:
@@ -26,8 +66,68 @@ def default_model_dir() -> Path:
     return Path(os.environ.get("FERRY_HOME", Path.home() / ".cache" / "ferry")) / "tiny-llama"
 
 
+class ModelEntry(BaseModel):
+    """One model of the deployment (an item of ``ModelConfig``): its public name and weight folder."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+    name: str = Field(min_length=1, alias="modelName")
+    path: Path = Field(alias="modelWeightPath")
+
+
+def _setting_keys() -> dict[str, tuple[str | None, str, str]]:
+    """camelCase key -> (section, env var, field name), from the field options of :class:`Settings`."""
+    result = {}
+    for name, field in Settings.model_fields.items():
+        extra = field.json_schema_extra
+        assert isinstance(field.validation_alias, AliasChoices) and isinstance(extra, dict)
+        key = field.validation_alias.choices[0]
+        assert isinstance(key, str)
+        result[key] = (extra["section"], str(extra["env"]), name)
+    return result
+
+
+def _unknown(path: str, key: str, known: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean `{close[0]}`?)" if close else f"; known here: {', '.join(sorted(known))}"
+    return ConfigError(f"unknown key `{path}`{hint}")
+
+
+def flatten_config(data: Any) -> dict[str, Any]:
+    """The config file's settings as one flat object of camelCase keys; raises :class:`ConfigError` for a
+    key that is unknown or in the wrong section, and for a section that is not an object."""
+    if not isinstance(data, dict):
+        raise ConfigError("the config file must hold a JSON object")
+    keys = _setting_keys()
+    roots = {path[0] for path in SECTION_PATHS.values()}
+    if not roots & data.keys():  # the flat form
+        for key in data:
+            if key not in keys:
+                raise _unknown(key, key, list(keys))
+        return dict(data)
+    flat: dict[str, Any] = {}
+
+    def walk(node: dict[str, Any], path: tuple[str, ...]) -> None:
+        sections = {p[len(path)]: p for p in SECTION_PATHS.values() if len(p) > len(path) and p[: len(path)] == path}
+        here = next((s for s, p in SECTION_PATHS.items() if p == path), None)
+        fields = [key for key, (section, _, _) in keys.items() if here is not None and section == here]
+        for key, value in node.items():
+            dotted = ".".join((*path, key))
+            if key in sections:
+                if not isinstance(value, dict):
+                    raise ConfigError(f"`{dotted}` must be a JSON object")
+                walk(value, (*path, key))
+            elif key in fields:
+                flat[key] = value
+            else:
+                raise _unknown(dotted, key, [*fields, *sections])
+
+    walk(data, ())
+    return flat
+
+
 class _JsonConfigSource(PydanticBaseSettingsSource):
-    """Reads the optional JSON config file named by FERRY_CONFIG (flat keys, spec names)."""
+    """Reads the optional JSON config file named by FERRY_CONFIG (nested sections or flat keys)."""
 
     def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # pragma: no cover
         raise NotImplementedError  # __call__ below does the work
@@ -36,10 +136,16 @@ class _JsonConfigSource(PydanticBaseSettingsSource):
         path = os.environ.get("FERRY_CONFIG")
         if not path:
             return {}
-        data = json.loads(Path(path).read_text())
-        if not isinstance(data, dict):
-            raise ValueError(f"config file {path} must hold a JSON object")
-        return data
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"FERRY_CONFIG: cannot read {path}: {exc.strerror}") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"FERRY_CONFIG: {path} is not valid JSON: {exc}") from None
+        try:
+            return flatten_config(data)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
 
 
 class Settings(BaseSettings):
@@ -47,61 +153,88 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(populate_by_name=True, extra="ignore", case_sensitive=False)
 
-    # Model and its public name
-    model_path: Path | None = Field(None, validation_alias=_spec("modelWeightPath", "MODEL_PATH"))
-    model_name: str | None = Field(None, validation_alias=_spec("modelName", "MODEL_NAME"))
+    # The model this process serves (a worker), or the default one (an API pod: TGI routes serve it).
+    # With ModelConfig, MODEL_NAME picks an entry (default: the first) and the path comes from it.
+    model_path: Path | None = Field(None, **_spec(None, "modelWeightPath", "MODEL_PATH"))
+    model_name: str | None = Field(None, **_spec(None, "modelName", "MODEL_NAME"))
+    models: list[ModelEntry] = Field(
+        default_factory=list, description="every model of the deployment; API pods serve them all",
+        **_spec("ModelDeployConfig", "ModelConfig", "MODEL_CONFIG"),
+    )
 
-    # Network
-    redis_url: str = Field("redis://127.0.0.1:6379/0", validation_alias=_spec("redisUrl", "REDIS_URL"))
-    host: str = Field("127.0.0.1", validation_alias=_spec("ipAddress", "HOST"))
-    port: int = Field(8080, ge=1, le=65535, validation_alias=_spec("port", "PORT"))
+    # Network and security
+    redis_url: str = Field("redis://127.0.0.1:6379/0", **_spec("BackendConfig", "redisUrl", "REDIS_URL"))
+    host: str = Field("127.0.0.1", **_spec("ServerConfig", "ipAddress", "HOST"))
+    port: int = Field(8080, ge=1, le=65535, **_spec("ServerConfig", "port", "PORT"))
+    https_enabled: bool = Field(False, **_spec("ServerConfig", "httpsEnabled", "HTTPS_ENABLED"))
+    tls_cert: Path | None = Field(None, description="PEM certificate (chain)", **_spec("ServerConfig", "tlsCert", "TLS_CERT"))
+    tls_pk: Path | None = Field(None, description="PEM private key", **_spec("ServerConfig", "tlsPk", "TLS_PK"))
+    tls_ca_certs: Path | None = Field(
+        None, description="PEM CA bundle: when set, clients must present a certificate it signed (mutual TLS)",
+        **_spec("ServerConfig", "tlsCaCerts", "TLS_CA_CERTS"),
+    )
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list, description="accepted `Authorization: Bearer` keys; empty: no auth",
+        **_spec("ServerConfig", "apiKeys", "API_KEYS"),
+    )
 
     # Request limits (SPEC.md, section "Server configuration")
-    max_iter_times: int = Field(512, gt=0, validation_alias=_spec("maxIterTimes", "MAX_ITER_TIMES"))
-    max_seq_len: int = Field(2048, gt=1, validation_alias=_spec("maxSeqLen", "MAX_SEQ_LEN"))
+    max_iter_times: int = Field(512, gt=0, **_spec("ScheduleConfig", "maxIterTimes", "MAX_ITER_TIMES"))
+    max_seq_len: int = Field(2048, gt=1, **_spec("ModelDeployConfig", "maxSeqLen", "MAX_SEQ_LEN"))
     max_input_token_len: int = Field(
-        2047, gt=0, validation_alias=_spec("maxInputTokenLen", "MAX_INPUT_TOKEN_LEN")
+        2047, gt=0, **_spec("ModelDeployConfig", "maxInputTokenLen", "MAX_INPUT_TOKEN_LEN")
     )
-    full_text_enabled: bool = Field(False, validation_alias=_spec("fullTextEnabled", "FULL_TEXT_ENABLED"))
+    truncation: int = Field(
+        0, description="0: reject over-long input (the only mode built)",
+        **_spec("ModelDeployConfig", "truncation", "TRUNCATION"),
+    )
+    full_text_enabled: bool = Field(False, **_spec("ServerConfig", "fullTextEnabled", "FULL_TEXT_ENABLED"))
     tgi_stream_format: Literal["list", "int"] = Field(
-        "list", validation_alias=_spec("tgiStreamFormat", "TGI_STREAM_FORMAT")
+        "list", **_spec("ServerConfig", "tgiStreamFormat", "TGI_STREAM_FORMAT")
     )
     kserve_output_includes_prompt: bool = Field(
-        True, validation_alias=_spec("kserveOutputIncludesPrompt", "KSERVE_OUTPUT_INCLUDES_PROMPT")
+        True, **_spec("ServerConfig", "kserveOutputIncludesPrompt", "KSERVE_OUTPUT_INCLUDES_PROMPT")
     )
 
     # Reliability (docs/reliability.md)
-    max_queue_size: int = Field(1024, gt=0, validation_alias=_spec("maxQueueSize", "MAX_QUEUE_SIZE"))
-    max_link_num: int = Field(1000, gt=0, validation_alias=_spec("maxLinkNum", "MAX_LINK_NUM"))
-    e2e_timeout: float = Field(600.0, gt=0, validation_alias=_spec("e2eTimeout", "E2E_TIMEOUT"))
-    token_timeout: float = Field(600.0, gt=0, validation_alias=_spec("tokenTimeout", "TOKEN_TIMEOUT"))
+    max_queue_size: int = Field(1024, gt=0, **_spec("ScheduleConfig", "maxQueueSize", "MAX_QUEUE_SIZE"))
+    max_link_num: int = Field(1000, gt=0, **_spec("ServerConfig", "maxLinkNum", "MAX_LINK_NUM"))
+    e2e_timeout: float = Field(600.0, gt=0, **_spec("ServerConfig", "e2eTimeout", "E2E_TIMEOUT"))
+    token_timeout: float = Field(600.0, gt=0, **_spec("ServerConfig", "tokenTimeout", "TOKEN_TIMEOUT"))
     max_request_length: int = Field(
-        40, gt=0, description="MB", validation_alias=_spec("maxRequestLength", "MAX_REQUEST_LENGTH")
+        40, gt=0, description="MB", **_spec("ServerConfig", "maxRequestLength", "MAX_REQUEST_LENGTH")
     )
     claim_idle_seconds: float = Field(
-        30.0, gt=0, validation_alias=_spec("claimIdleSeconds", "CLAIM_IDLE_SECONDS")
+        30.0, gt=0, **_spec("BackendConfig", "claimIdleSeconds", "CLAIM_IDLE_SECONDS")
     )
-    max_deliveries: int = Field(3, gt=0, validation_alias=_spec("maxDeliveries", "MAX_DELIVERIES"))
+    max_deliveries: int = Field(3, gt=0, **_spec("BackendConfig", "maxDeliveries", "MAX_DELIVERIES"))
     shutdown_grace_seconds: float = Field(
-        30.0, ge=0, validation_alias=_spec("shutdownGraceSeconds", "SHUTDOWN_GRACE_SECONDS")
+        30.0, ge=0, **_spec("ServerConfig", "shutdownGraceSeconds", "SHUTDOWN_GRACE_SECONDS")
+    )
+
+    # Operations
+    log_format: Literal["text", "json"] = Field("text", **_spec("LogConfig", "logFormat", "LOG_FORMAT"))
+    log_level: str = Field("INFO", **_spec("LogConfig", "logLevel", "LOG_LEVEL"))
+    worker_metrics_port: int = Field(
+        0, ge=0, le=65535, description="0: off", **_spec("BackendConfig", "workerMetricsPort", "WORKER_METRICS_PORT")
     )
 
     # Worker engine
-    device: str = Field("cpu", validation_alias=_spec("device", "DEVICE"))
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        "float32", validation_alias=_spec("dtype", "DTYPE")
-    )
-    max_batch_size: int = Field(32, gt=0, validation_alias=_spec("maxBatchSize", "MAX_BATCH_SIZE"))
+    device: str = Field("cpu", **_spec("BackendConfig", "device", "DEVICE"))
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("float32", **_spec("BackendConfig", "dtype", "DTYPE"))
+    max_batch_size: int = Field(32, gt=0, **_spec("ScheduleConfig", "maxBatchSize", "MAX_BATCH_SIZE"))
     max_prefill_tokens: int = Field(
-        8192, gt=0, validation_alias=_spec("maxPrefillTokens", "MAX_PREFILL_TOKENS")
+        8192, gt=0, **_spec("ScheduleConfig", "maxPrefillTokens", "MAX_PREFILL_TOKENS")
     )
     max_prefill_batch_size: int = Field(
-        8, gt=0, validation_alias=_spec("maxPrefillBatchSize", "MAX_PREFILL_BATCH_SIZE")
+        8, gt=0, **_spec("ScheduleConfig", "maxPrefillBatchSize", "MAX_PREFILL_BATCH_SIZE")
     )
     max_batch_total_tokens: int = Field(
-        65536, gt=0, validation_alias=_spec("maxBatchTotalTokens", "MAX_BATCH_TOTAL_TOKENS")
+        65536, gt=0, **_spec("ScheduleConfig", "maxBatchTotalTokens", "MAX_BATCH_TOTAL_TOKENS")
     )
-    worker_pool: str = Field("cpu", validation_alias=_spec("workerPool", "WORKER_POOL"))
+    worker_pool: str = Field(
+        "cpu", pattern=r"^[A-Za-z0-9_-]+$", **_spec("BackendConfig", "workerPool", "WORKER_POOL")
+    )
 
     @field_validator("device")
     @classmethod
@@ -111,10 +244,55 @@ class Settings(BaseSettings):
             raise ValueError("device must be cpu, cuda[:n] or npu[:n]")
         return value
 
+    @field_validator("truncation")
+    @classmethod
+    def _built_truncation(cls, value: int) -> int:
+        if value != 0:
+            raise ValueError("only 0 (reject input over maxInputTokenLen) is supported; -1 and 1 are not built")
+        return value
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, value: str) -> str:
+        if not isinstance(logging.getLevelName(value.upper()), int):
+            raise ValueError("logLevel must be DEBUG, INFO, WARNING, ERROR or CRITICAL")
+        return value.upper()
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: Any) -> Any:
+        """API_KEYS is comma separated; the config file may give a list."""
+        if isinstance(value, str):
+            return [key.strip() for key in value.split(",") if key.strip()]
+        return value
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _parse_models(cls, value: Any) -> Any:
+        """MODEL_CONFIG (env) holds the list as JSON."""
+        return json.loads(value) if isinstance(value, str) else value
+
     @model_validator(mode="after")
-    def _consistent_limits(self) -> "Settings":
+    def _consistent(self) -> "Settings":
         if self.max_input_token_len >= self.max_seq_len:
             self.max_input_token_len = self.max_seq_len - 1
+        names = [entry.name for entry in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"ModelConfig: modelName values must be unique. Given: {names}")
+        if self.models and self.model_path is None:
+            name = self.model_name or names[0]
+            if name not in names:
+                raise ValueError(f"modelName `{name}` (MODEL_NAME / --model-name) is not in ModelConfig: {names}")
+            self.model_name, self.model_path = name, self.models[names.index(name)].path
+        if self.https_enabled:
+            for key, path in (("tlsCert", self.tls_cert), ("tlsPk", self.tls_pk)):
+                if path is None:
+                    raise ValueError(f"httpsEnabled needs {key}")
+            for key, path in (("tlsCert", self.tls_cert), ("tlsPk", self.tls_pk), ("tlsCaCerts", self.tls_ca_certs)):
+                if path is not None and not path.is_file():
+                    raise ValueError(f"{key}: no such file {path}")
+        elif self.tls_ca_certs is not None:
+            raise ValueError("tlsCaCerts (mutual TLS) needs httpsEnabled")
         return self
 
     @property
@@ -128,6 +306,12 @@ class Settings(BaseSettings):
     def resolved_model_path(self) -> Path:
         return self.model_path or default_model_dir()
 
+    @property
+    def served_models(self) -> list[ModelEntry]:
+        """Every model of the deployment, the default one (MODEL_NAME, else the first) first."""
+        default = ModelEntry(name=self.served_model_name, path=self.resolved_model_path)
+        return [default, *(entry for entry in self.models if entry.name != default.name)]
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -138,3 +322,41 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (init_settings, env_settings, _JsonConfigSource(settings_cls))
+
+
+def _describe(error: Any) -> str:
+    """One line naming the setting of a pydantic error: its place in the config file and its env var."""
+    loc = [str(part) for part in error.get("loc", ())]
+    message = error["msg"].removeprefix("Value error, ")
+    if not loc:
+        return message
+    keys = _setting_keys()
+    key = loc[0]
+    if key not in keys:  # given by field name (a command-line option)
+        key = next((k for k, (_, _, name) in keys.items() if name == key), key)
+    section, env, _ = keys.get(key, (None, "", ""))
+    dotted = ".".join([*SECTION_PATHS.get(section or "", ()), key]) + "".join(
+        f"[{part}]" if part.isdigit() else f".{part}" for part in loc[1:]
+    )
+    given = f" (given {error['input']!r})" if "input" in error and not isinstance(error["input"], (dict, list)) else ""
+    if key == "apiKeys":
+        given = ""  # never echo secrets
+    return f"`{dotted}`" + (f" (env {env})" if env else "") + f": {message}{given}"
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """The settings from ``overrides`` (command-line options), env and FERRY_CONFIG, or a
+    :class:`ConfigError` whose message names each key at fault."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        raise ConfigError("; ".join(_describe(error) for error in exc.errors())) from None
+
+
+def settings_or_exit(prog: str, **overrides: Any) -> Settings:
+    """:func:`load_settings` for a command's start-up: an invalid configuration stops it with the message."""
+    try:
+        return load_settings(**overrides)
+    except ConfigError as exc:
+        print(f"{prog}: invalid configuration: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
