@@ -8,13 +8,18 @@
   second time, so pools of one model share the group and differ only in consumer names.
 - ``ferry:{model}:heartbeats``: sorted set of the model's worker consumers, scored by the unix time
   their heartbeat expires; a worker is alive while its score is in the future.
+- ``ferry:{model}:worker:{consumer}``: the JSON of a :class:`common.protocol.WorkerStatus` (batch size, KV
+  budget used, ...), rewritten by the worker with every heartbeat and expiring with it; read by the API's
+  metrics and ``ferry-status``.
 - ``ferry:{model}:control``: pub/sub channel every worker of the model listens to for
   :class:`common.protocol.Control` messages (cancel a request whose client left, stop one on request).
 - ``ferry:{model}:control:{request_id}``: the same control message kept as a key (with a TTL), for a
   worker that reads the job from the stream only after the message was published.
 - ``ferry:{model}:inflight:{request_id}``: exists while the request is in flight (SET NX by the API
   pod that took it, with a TTL): client-chosen request ids are unique while in flight, and a stop
-  request for an unknown id is answered 404.
+  request for an unknown id is answered 404. Its value is the job's id (the ``request_id`` of the
+  :class:`common.protocol.Job`, which the control key, the control messages and the events channel use):
+  the client's id plus a nonce, so nothing of an earlier request with the same client id reaches a new one.
 - ``ferry:events:{api_id}:{request_id}``: the per-request pub/sub channel. Each API pod pattern-subscribes
   to ``ferry:events:{api_id}:*`` once at start-up, so it is subscribed to a request's channel before it
   queues the request's job and no first token can be missed.
@@ -38,8 +43,23 @@ def consumer_name(pool: str, host: str, pid: int) -> str:
     return f"{pool}:{host}:{pid}"
 
 
+def parse_consumer_name(consumer: str) -> tuple[str, str, int]:
+    """(pool, host, pid) of a consumer name made by :func:`consumer_name` (a host name has no colon)."""
+    pool, host, pid = consumer.rsplit(":", 2)
+    return pool, host, int(pid)
+
+
 def heartbeats(model: str) -> str:
     return f"{PREFIX}:{model}:heartbeats"
+
+
+def worker_status(model: str, consumer: str) -> str:
+    return f"{PREFIX}:{model}:worker:{consumer}"
+
+
+def model_in_key(key: str) -> str:
+    """The model in a :func:`job_stream` or :func:`heartbeats` key name (to discover a Redis's models)."""
+    return key.removeprefix(f"{PREFIX}:").rsplit(":", 1)[0]
 
 
 def control_channel(model: str) -> str:

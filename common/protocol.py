@@ -61,6 +61,8 @@ class Finish(BaseModel):
     seed: int
     generated_text: str = Field(description="decoded output, stop sequence excluded")
     prefill: list[TokenInfo] = Field(default_factory=list)
+    queue_time: float = Field(0.0, ge=0, description="seconds from queueing to the worker's prefill (two clocks)")
+    inference_time: float = Field(0.0, ge=0, description="seconds from the prefill to this last token (worker clock)")
 
 
 class TokenEvent(BaseModel):
@@ -79,6 +81,16 @@ class ErrorEvent(BaseModel):
     type: Literal["error"] = "error"
     message: str
     error_type: str = "generation"
+
+
+class WorkerStatus(BaseModel):
+    """What a worker reports with each heartbeat (see :func:`common.keys.worker_status`)."""
+
+    device: str
+    batch_size: int = Field(ge=0, description="requests running")
+    waiting: int = Field(ge=0, description="requests taken from the stream, not yet admitted")
+    kv_reserved_tokens: int = Field(ge=0, description="KV budget held by the running requests")
+    kv_budget_tokens: int = Field(gt=0, description="maxBatchTotalTokens")
 
 
 class Control(BaseModel):

@@ -12,6 +12,7 @@ The engine is not thread-safe: the queue loop calls every method from one thread
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -49,6 +50,7 @@ class _Sequence:
     max_new_tokens: int  # the request's own limit, lowered to fit the total length cap
 
     prefill: list[TokenInfo] = field(default_factory=list)
+    started_at: float = 0.0  # unix time of admission (the prefill), for the request's queue and inference times
 
     @property
     def prompt_len(self) -> int:
@@ -161,6 +163,15 @@ class Engine:
     def batch_size(self) -> int:
         return len(self._running)
 
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def reserved_tokens(self) -> int:
+        """KV budget held by the running requests (what ``max_batch_total_tokens`` bounds)."""
+        return sum(seq.reserved_tokens for seq in self._running)
+
     # -- stepping ----------------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -200,7 +211,7 @@ class Engine:
         """Pop queued jobs, first come first served, while the batch, KV budget and prefill limits allow."""
         settings = self.settings
         admitted: list[_Sequence] = []
-        reserved = sum(seq.reserved_tokens for seq in self._running)
+        reserved = self.reserved_tokens
         width = 0
         while self._waiting:
             seq = self._waiting[0]
@@ -213,6 +224,7 @@ class Engine:
             ):
                 break
             admitted.append(self._waiting.popleft())
+            seq.started_at = time.time()
             reserved += seq.reserved_tokens
             width = new_width
         return admitted
@@ -259,7 +271,7 @@ class Engine:
             try:
                 event: TokenEvent | ErrorEvent = self._token_event(seq, token, logprob)
             except Exception as exc:  # this request's text handling failed; the others go on
-                log.exception("request %s failed", seq.job.request_id)
+                log.exception("request failed", extra={"request_id": seq.job.request_id})
                 event = ErrorEvent(message=f"generation failed: {exc}")
             output = StepOutput(seq.job, event)
             outputs.append(output)
@@ -305,6 +317,8 @@ class Engine:
                 seed=seq.job.params.seed,
                 generated_text=seq.stream.text,
                 prefill=seq.prefill,
+                queue_time=max(0.0, seq.started_at - seq.job.enqueued_at),
+                inference_time=time.time() - seq.started_at,
             )
         info = TokenInfo(id=token, text=text, logprob=logprob, special=token in self._special_ids)
         return TokenEvent(index=generated - 1, token=info, finish=finish)

@@ -31,9 +31,11 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common import keys
-from common.protocol import Control, ErrorEvent, Job
-from common.settings import Settings
+from common.logs import configure_logging
+from common.protocol import Control, ErrorEvent, Job, WorkerStatus
+from common.settings import Settings, settings_or_exit
 from worker.engine import Engine, StepOutput
+from worker.metrics import WorkerMetrics
 
 log = logging.getLogger("ferry.worker")
 
@@ -46,11 +48,12 @@ RECONNECT_MAX_DELAY = 5.0
 class WorkerLoop:
     """Moves jobs between Redis and the engine. All state of the worker lives here."""
 
-    def __init__(self, settings: Settings, redis: Redis, engine: Engine) -> None:
+    def __init__(self, settings: Settings, redis: Redis, engine: Engine, metrics: WorkerMetrics | None = None) -> None:
         self.settings = settings
         self.redis = redis
         self.engine = engine
         self.model = settings.served_model_name
+        self.metrics = metrics or WorkerMetrics(self.model, settings.max_batch_total_tokens)
         self.stream = keys.job_stream(self.model)
         self.group = keys.worker_group(self.model)
         self.consumer = keys.consumer_name(settings.worker_pool, socket.gethostname(), os.getpid())
@@ -104,6 +107,7 @@ class WorkerLoop:
         finally:
             try:
                 self.redis.zrem(keys.heartbeats(self.model), self.consumer)
+                self.redis.delete(keys.worker_status(self.model, self.consumer))
             except (RedisConnectionError, RedisTimeoutError):
                 pass
 
@@ -136,11 +140,24 @@ class WorkerLoop:
         pipe = self.redis.pipeline(transaction=False)
         pipe.zadd(beats, {self.consumer: now + HEARTBEAT_TTL_SECONDS})
         pipe.zremrangebyscore(beats, "-inf", now)
+        pipe.set(keys.worker_status(self.model, self.consumer), self.status().model_dump_json(),
+                 px=int(HEARTBEAT_TTL_SECONDS * 1000))
         if self._inflight:  # reset the idle time of our pending jobs: they are alive, not abandoned
             ids = [message_id for message_id, _ in self._inflight.values()]
             pipe.xclaim(self.stream, self.group, self.consumer, 0, ids, justid=True)
         pipe.execute()
         self._next_heartbeat = now + self._heartbeat_every
+
+    def status(self) -> WorkerStatus:
+        """What the heartbeat publishes for the API's metrics and ferry-status (they cannot ask the engine)."""
+        engine = self.engine
+        return WorkerStatus(
+            device=self.settings.device,
+            batch_size=engine.batch_size,
+            waiting=engine.waiting,
+            kv_reserved_tokens=engine.reserved_tokens,
+            kv_budget_tokens=self.settings.max_batch_total_tokens,
+        )
 
     def apply_controls(self) -> None:
         assert self._control is not None
@@ -223,6 +240,7 @@ class WorkerLoop:
             self.apply_control(control)
 
     def step(self) -> None:
+        started = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as exc:  # a model-level failure: fail the batch's jobs, keep serving
@@ -233,6 +251,7 @@ class WorkerLoop:
             self.fail(jobs, f"generation failed: {exc}", "generation")
             self.ack([job.request_id for job in jobs])
             return
+        self.metrics.observe_step(self.engine, outputs, time.perf_counter() - started)
         self.publish(outputs)
 
     def publish(self, outputs: list[StepOutput]) -> None:
@@ -246,8 +265,10 @@ class WorkerLoop:
         self.ack(finished)
 
     def fail(self, jobs: list[Job], message: str, error_type: str) -> None:
+        self.metrics.observe_errors(len(jobs))
         pipe = self.redis.pipeline(transaction=False)
         for job in jobs:
+            log.warning("request failed (%s): %s", error_type, message, extra={"request_id": job.request_id})
             pipe.publish(job.reply_channel, ErrorEvent(message=message, error_type=error_type).model_dump_json())
         pipe.execute()
 
@@ -273,13 +294,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--redis-url", help="overrides REDIS_URL")
     parser.add_argument("--model-path", help="overrides MODEL_PATH")
-    parser.add_argument("--model-name", help="overrides MODEL_NAME")
+    parser.add_argument("--model-name", help="the model to serve, one of the config's ModelConfig; overrides MODEL_NAME")
     parser.add_argument("--device", help="cpu, cuda[:n] or npu[:n]; overrides DEVICE")
     args = parser.parse_args(argv)
-    settings = Settings(**{k: v for k, v in vars(args).items() if v is not None})
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = settings_or_exit("ferry-worker", **{k: v for k, v in vars(args).items() if v is not None})
+    configure_logging(settings.log_format, settings.log_level)
     engine = Engine.load(settings)
     loop = WorkerLoop(settings, Redis.from_url(settings.redis_url), engine)
+    if settings.worker_metrics_port:
+        loop.metrics.serve(settings.worker_metrics_port)
     signal.signal(signal.SIGTERM, lambda *_: loop.stop())
     loop.run()
 
