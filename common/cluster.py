@@ -1,0 +1,88 @@
+"""What Redis tells about a deployment: per model, its live workers (with what each reports) and its queue.
+
+One reader for the API's ``/health`` and ``/metrics`` and for ``ferry-status``, so they never disagree.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from pydantic import BaseModel, Field, ValidationError, computed_field
+from redis.asyncio import Redis
+
+from common import keys
+from common.protocol import WorkerStatus
+
+
+class WorkerView(BaseModel):
+    """A live worker: its consumer name's parts and its last reported status (None before the first)."""
+
+    consumer: str
+    pool: str
+    host: str
+    pid: int
+    heartbeat_expires_in: float = Field(description="seconds until the worker counts as dead")
+    status: WorkerStatus | None
+
+
+class ModelState(BaseModel):
+    model: str
+    queue_depth: int = Field(description="jobs queued or running (XLEN of the job stream)")
+    workers: list[WorkerView]
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def pools(self) -> dict[str, int]:
+        """Live workers per pool."""
+        return dict(Counter(worker.pool for worker in self.workers))
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def batch_size(self) -> int:
+        """Requests running, summed over the live workers' last reports."""
+        return sum(worker.status.batch_size for worker in self.workers if worker.status is not None)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def kv_reserved_tokens(self) -> int:
+        """KV budget held by running requests, summed over the live workers' last reports."""
+        return sum(worker.status.kv_reserved_tokens for worker in self.workers if worker.status is not None)
+
+
+async def read_model_state(redis: Redis, model: str, now: float) -> ModelState:
+    """The model's live workers and queue depth (raises RedisError when Redis is unreachable)."""
+    pipe = redis.pipeline(transaction=False)
+    pipe.zrangebyscore(keys.heartbeats(model), now, "+inf", withscores=True)
+    pipe.xlen(keys.job_stream(model))
+    beats, depth = await pipe.execute()
+    consumers = [(member.decode() if isinstance(member, bytes) else member, score) for member, score in beats]
+    raw = await redis.mget([keys.worker_status(model, consumer) for consumer, _ in consumers]) if consumers else []
+    workers = []
+    for (consumer, expires), status in zip(consumers, raw):
+        try:
+            pool, host, pid = keys.parse_consumer_name(consumer)
+        except ValueError:
+            continue  # not a worker's consumer name
+        workers.append(WorkerView(
+            consumer=consumer, pool=pool, host=host, pid=pid, heartbeat_expires_in=expires - now,
+            status=_status(status),
+        ))
+    return ModelState(model=model, queue_depth=depth, workers=workers)
+
+
+def _status(raw: bytes | None) -> WorkerStatus | None:
+    if raw is None:
+        return None
+    try:
+        return WorkerStatus.model_validate_json(raw)
+    except ValidationError:  # a worker of another version
+        return None
+
+
+async def discover_models(redis: Redis) -> list[str]:
+    """Every model with a job stream or workers' heartbeats in this Redis."""
+    found = set()
+    for pattern in (keys.job_stream("*"), keys.heartbeats("*")):
+        async for key in redis.scan_iter(match=pattern):
+            found.add(keys.model_in_key(key.decode() if isinstance(key, bytes) else key))
+    return sorted(found)
