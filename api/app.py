@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
-from api import __version__, kserve, openai, tgi
+from api import __version__, kserve, openai, ops, tgi
 from api.context import ModelInfo, ServerContext
 from api.relay import EventRelay
 from common.settings import Settings
@@ -24,8 +24,10 @@ def create_app(settings: Settings, redis: Redis | None = None) -> FastAPI:
         api_id = uuid.uuid4().hex[:12]
         relay = EventRelay(client, api_id)
         await relay.start()
+        models = {entry.name: ModelInfo.load(settings, entry) for entry in settings.served_models}
         app.state.ctx = ServerContext(
-            settings=settings, redis=client, relay=relay, model=ModelInfo.load(settings), api_id=api_id
+            settings=settings, redis=client, relay=relay, model=next(iter(models.values())), api_id=api_id,
+            models=models,
         )
         try:
             yield
@@ -44,4 +46,5 @@ def create_app(settings: Settings, redis: Redis | None = None) -> FastAPI:
     app.include_router(kserve.router)
     app.include_router(kserve.control_router)
     app.include_router(openai.router)
+    app.include_router(ops.router)
     return app

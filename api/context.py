@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import Request
 from redis.asyncio import Redis
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from api.metrics import ApiMetrics
 from api.relay import EventRelay
-from common.settings import Settings
+from common.settings import ModelEntry, Settings
 
 MAX_INPUT_TOKENS_HARD_CAP = 1024 * 1024  # SPEC.md: the token limit never exceeds 1 Mi
 
@@ -30,14 +32,16 @@ class ModelInfo:
 
 
     @classmethod
-    def load(cls, settings: Settings) -> "ModelInfo":
-        path = settings.resolved_model_path
+    def load(cls, settings: Settings, entry: ModelEntry | None = None) -> "ModelInfo":
+        """The model of ``entry``, by default the one the settings name (MODEL_NAME / MODEL_PATH)."""
+        entry = entry or ModelEntry(name=settings.served_model_name, path=settings.resolved_model_path)
+        path = entry.path
         config = json.loads((path / "config.json").read_text())
         generation_file = path / "generation_config.json"
         generation = json.loads(generation_file.read_text()) if generation_file.exists() else {}
         vocab_size = int(config.get("padded_vocab_size") or config["vocab_size"])
         return cls(
-            model_id=settings.served_model_name,
+            model_id=entry.name,
             path=path,
             tokenizer=AutoTokenizer.from_pretrained(path),
             vocab_size=vocab_size,
@@ -50,13 +54,27 @@ class ModelInfo:
 
 @dataclass
 class ServerContext:
-    """Everything a request handler needs; one per app, held on ``app.state.ctx``."""
+    """Everything a request handler needs; one per app, held on ``app.state.ctx``.
+
+    ``model`` is the model a request is for: the default one (TGI routes), or the one a route names
+    (:meth:`for_model`); ``models`` holds every model the pod serves, the default included.
+    """
 
     settings: Settings
     redis: Redis
     relay: EventRelay
     model: ModelInfo
     api_id: str
+    models: dict[str, ModelInfo] = field(default_factory=dict)
+    metrics: ApiMetrics = field(default_factory=ApiMetrics)
+
+    def __post_init__(self) -> None:
+        self.models.setdefault(self.model.model_id, self.model)
+
+    def for_model(self, model_id: str) -> "ServerContext | None":
+        """This context for another served model (sharing Redis, relay and metrics), None if not served."""
+        model = self.models.get(model_id)
+        return None if model is None else dataclasses.replace(self, model=model)
 
     @property
     def max_input_tokens(self) -> int:
@@ -74,5 +92,8 @@ class ServerContext:
 
 
 def get_ctx(request: Request) -> ServerContext:
-    """FastAPI dependency: the app's context."""
-    return request.app.state.ctx
+    """FastAPI dependency: the app's context, for the model the route's ``{model}`` names when the pod serves
+    it (routes check an unknown name themselves: it gets the default model's context)."""
+    ctx: ServerContext = request.app.state.ctx
+    name = request.path_params.get("model")
+    return (ctx.for_model(name) if name is not None else None) or ctx

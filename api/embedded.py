@@ -26,7 +26,8 @@ from pathlib import Path
 import redis
 
 from api.main import serve
-from common.settings import Settings
+from common.logs import configure_logging
+from common.settings import settings_or_exit
 from worker.tiny_model import ensure_tiny_model
 
 log = logging.getLogger("ferry.server")
@@ -91,9 +92,9 @@ def embedded_redis(kind: str = "auto") -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def worker_processes(count: int, env: dict[str, str]) -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Start ``count`` worker processes with ``env``; terminate them on exit (SIGTERM, then kill)."""
-    procs = [subprocess.Popen([sys.executable, "-m", "worker.main"], env=env) for _ in range(count)]
+def worker_processes(envs: list[dict[str, str]]) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Start a worker process per environment; terminate them on exit (SIGTERM, then kill)."""
+    procs = [subprocess.Popen([sys.executable, "-m", "worker.main"], env=env) for env in envs]
     try:
         yield procs
     finally:
@@ -115,22 +116,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-path", type=Path, help="model folder; default: the tiny model, made if missing")
     parser.add_argument("--host", help="overrides HOST")
     parser.add_argument("--port", type=int, help="overrides PORT")
-    parser.add_argument("--workers", type=int, default=1, help="worker processes to start")
+    parser.add_argument("--workers", type=int, default=1, help="worker processes to start per model")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     overrides = {k: v for k, v in {"model_path": args.model_path, "host": args.host, "port": args.port}.items()
                  if v is not None}
-    settings = Settings(**overrides)
+    settings = settings_or_exit("ferry-server", **overrides)
+    configure_logging(settings.log_format, settings.log_level)
     if settings.model_path is None:
         log.info("no model path given: using the tiny model at %s", ensure_tiny_model(settings.resolved_model_path))
 
     redis_cm = contextlib.nullcontext(args.redis_url) if args.redis_url else embedded_redis(args.embedded_redis)
     with redis_cm as redis_url:
         settings = settings.model_copy(update={"redis_url": redis_url})
-        env = {**os.environ, "REDIS_URL": redis_url, "MODEL_PATH": str(settings.resolved_model_path),
-               "MODEL_NAME": settings.served_model_name}
-        with worker_processes(args.workers, env):
+        envs = [{**os.environ, "REDIS_URL": redis_url, "MODEL_PATH": str(entry.path), "MODEL_NAME": entry.name}
+                for entry in settings.served_models for _ in range(args.workers)]
+        with worker_processes(envs):
             serve(settings)
 
 

@@ -3,11 +3,14 @@
 Handlers raise :class:`ProtocolError`; request-body validation failures (FastAPI's
 ``RequestValidationError``) become one too. Each protocol router is built with
 :func:`error_route_class` and its renderer, so a TGI route answers ``{"error", "error_type"}`` and a KServe
-route ``{"error"}``, whatever went wrong.
+route ``{"error"}``, whatever went wrong. The route class also checks the API keys (when API_KEYS is set)
+on every POST route, i.e. every inference and control route of every protocol; GET routes (health, info,
+metadata, model lists) stay open.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any
@@ -105,12 +108,31 @@ def _is_json(content_type: str | None) -> bool:
     return media_type == "application/json" or media_type.endswith("+json")
 
 
+def _authorized(request: Request) -> bool:
+    """Whether the request carries ``Authorization: Bearer <key>`` with one of the configured API keys (always
+    true when none is configured). Compared in constant time with every key, so timing tells nothing."""
+    keys = request.app.state.ctx.settings.api_keys
+    if not keys:
+        return True
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    given = token.strip().encode()
+    matches = [hmac.compare_digest(given, key.get_secret_value().encode()) for key in keys]
+    return scheme.lower() == "bearer" and any(matches)
+
+
+def _unauthorized(render: Callable[[ProtocolError], Response]) -> Response:
+    message = "a valid API key is required: send `Authorization: Bearer <key>`"
+    response = render(ProtocolError(401, message, "invalid_api_key"))
+    response.headers["WWW-Authenticate"] = "Bearer"
+    return response
+
+
 def error_route_class(
     render: Callable[[ProtocolError], Response], validation_status: int = 422, require_json: bool = True
 ) -> type[APIRoute]:
-    """An APIRoute subclass whose handlers answer every error through ``render``: invalid bodies,
-    bodies over maxRequestLength (413), a non-JSON content type when ``require_json`` (415), and every
-    :class:`ProtocolError` the handler raises."""
+    """An APIRoute subclass whose handlers answer every error through ``render``: a POST without a valid API
+    key (401), invalid bodies, bodies over maxRequestLength (413), a non-JSON content type when
+    ``require_json`` (415), and every :class:`ProtocolError` the handler raises."""
 
     class ProtocolRoute(APIRoute):
         def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
@@ -118,6 +140,8 @@ def error_route_class(
 
             async def guarded(request: Request) -> Response:
                 request = LimitedRequest(request.scope, request.receive)
+                if request.method == "POST" and not _authorized(request):
+                    return _unauthorized(render)
                 if require_json and request.method == "POST" and not _is_json(request.headers.get("content-type")):
                     message = f"Content-Type must be application/json, not {request.headers['content-type']}"
                     return render(ProtocolError(415, message, "validation"))

@@ -3,23 +3,38 @@
 from __future__ import annotations
 
 import argparse
-import logging
+import ssl
+from typing import Any
 
 import uvicorn
 
 from api.app import create_app
-from common.settings import Settings
+from common.logs import configure_logging
+from common.settings import Settings, settings_or_exit
+
+
+def tls_options(settings: Settings) -> dict[str, Any]:
+    """uvicorn's TLS options: none without httpsEnabled; with tlsCaCerts, clients must present a certificate
+    signed by one of those CAs (mutual TLS)."""
+    if not settings.https_enabled:
+        return {}
+    options: dict[str, Any] = {"ssl_certfile": str(settings.tls_cert), "ssl_keyfile": str(settings.tls_pk)}
+    if settings.tls_ca_certs is not None:
+        options.update(ssl_ca_certs=str(settings.tls_ca_certs), ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return options
 
 
 def serve(settings: Settings) -> None:
     """Serve the API app in the foreground until SIGINT/SIGTERM, then drain gracefully."""
+    configure_logging(settings.log_format, settings.log_level)
     uvicorn.run(
         create_app(settings),
         host=settings.host,
         port=settings.port,
-        log_level="info",
+        log_config=None,  # uvicorn's records go through configure_logging's handler (LOG_FORMAT)
         # Open streams get shutdownGraceSeconds to finish (api/sse.py), then a little for the rest.
         timeout_graceful_shutdown=settings.shutdown_grace_seconds + 5,
+        **tls_options(settings),
     )
 
 
@@ -31,9 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, help="overrides PORT")
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if v is not None}
-    settings = Settings(**overrides)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve(settings)
+    serve(settings_or_exit("ferry-api", **overrides))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from redis.exceptions import RedisError
 from api.context import ServerContext
 from api.health import live_workers
 from common import keys
+from common.logs import bind_request_id
 from common.protocol import Control, ErrorEvent, Finish, Job, SamplingParams, TokenEvent, TokenInfo, decode_event
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class GenerationResult(BaseModel):
 
     tokens: list[TokenInfo]
     finish: Finish
+    duration: float = Field(0.0, ge=0, description="seconds from queueing to the last token, as this pod saw them")
 
 
 def new_request_id() -> str:
@@ -137,7 +139,9 @@ class Submission:
         self.ctx = ctx
         self.job = job
         self._queue = queue
-        self._finished = False
+        self.queued_at = time.monotonic()
+        self.finish: Finish | None = None  # the last event's, once it came
+        self._failure: str | None = None  # the error type that ended the request, if one did
         self._closed = False
 
     @property
@@ -152,17 +156,31 @@ class Submission:
         """
         next_index = 0
         while True:
-            event = decode_event(await self._next(disconnected))
-            if isinstance(event, ErrorEvent):
-                raise PipelineError(event.message, event.error_type)
+            event = await self._receive(disconnected)
             if event.index < next_index:  # a re-delivered job replays from index 0
                 continue
             next_index = event.index + 1
             if event.finish is not None:
-                self._finished = True
+                self.finish = event.finish
             yield event
             if event.finish is not None:
                 return
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds since the job was queued."""
+        return time.monotonic() - self.queued_at
+
+    async def _receive(self, disconnected: Disconnected | None) -> TokenEvent:
+        """The next token event; a failure (worker error, timeout, client gone) is noted for the metrics."""
+        try:
+            event = decode_event(await self._next(disconnected))
+            if isinstance(event, ErrorEvent):
+                raise PipelineError(event.message, event.error_type)
+        except PipelineError as exc:
+            self._failure = exc.error_type
+            raise
+        return event
 
     async def _next(self, disconnected: Disconnected | None) -> bytes:
         settings = self.ctx.settings
@@ -188,14 +206,30 @@ class Submission:
         if self._closed:
             return
         self._closed = True
+        self._record()
         ctx, model = self.ctx, self.job.model
         ctx.relay.release(self.request_id)
         try:
-            if not self._finished:
+            if self.finish is None:
                 await send_control(ctx, Control(request_id=self.request_id, action="cancel"))
             await ctx.redis.delete(keys.inflight_key(model, self.request_id))
         except RedisError:
             log.warning("could not release request %s: Redis unreachable", self.request_id)
+
+    def _record(self) -> None:
+        """The request's outcome, in the metrics and one log line (the one place every protocol's requests end)."""
+        model, finish, extra = self.job.model, self.finish, {"request_id": self.request_id}
+        if finish is None:
+            failure = self._failure or "cancelled"
+            self.ctx.metrics.request_failed(model, failure)
+            log.info("request ended unfinished (%s) after %.3f s", failure, self.elapsed, extra=extra)
+            return
+        self.ctx.metrics.request_finished(model, finish, self.elapsed)
+        log.info(
+            "request finished (%s): %d prompt + %d generated tokens, queue %.3f s, inference %.3f s, total %.3f s",
+            finish.finish_reason, finish.prompt_tokens, finish.generated_tokens, finish.queue_time,
+            finish.inference_time, self.elapsed, extra=extra,
+        )
 
 
 async def send_control(ctx: ServerContext, control: Control) -> None:
@@ -209,6 +243,20 @@ async def send_control(ctx: ServerContext, control: Control) -> None:
 
 
 async def submit(ctx: ServerContext, request: GenerationRequest) -> Submission:
+    """Check the pod's and the queue's limits, then queue the request's job (see :func:`_queue`); counted in
+    the metrics either way, and the request id tags the handler's log lines from here on."""
+    bind_request_id(request.request_id)
+    model = ctx.model.model_id
+    try:
+        submission = await _queue(ctx, request)
+    except PipelineError as exc:
+        ctx.metrics.request_refused(model, exc.error_type)
+        raise
+    ctx.metrics.request_queued(model, len(request.input_ids), request.params.max_new_tokens)
+    return submission
+
+
+async def _queue(ctx: ServerContext, request: GenerationRequest) -> Submission:
     """Check the pod's and the queue's limits, then queue the request's job.
 
     Raises :class:`PipelineError`: ``overloaded`` past maxLinkNum requests on this pod or maxQueueSize jobs
@@ -259,13 +307,14 @@ async def generate(
     ctx: ServerContext, request: GenerationRequest, disconnected: Disconnected | None = None
 ) -> GenerationResult:
     """Run the request to completion and return all its tokens (see :meth:`Submission.events`)."""
+    queued_at = time.monotonic()
     submission = await submit(ctx, request)
     tokens: list[TokenInfo] = []
     try:
         async for event in submission.events(disconnected):
             tokens.append(event.token)
             if event.finish is not None:
-                return GenerationResult(tokens=tokens, finish=event.finish)
+                return GenerationResult(tokens=tokens, finish=event.finish, duration=time.monotonic() - queued_at)
     finally:
         await submission.close()
     raise PipelineError("the token stream ended without a final event", "incomplete_generation")

@@ -17,6 +17,7 @@ from sse_starlette import EventSourceResponse
 from api import __version__
 from api.context import ServerContext, get_ctx
 from api.errors import VALIDATION_PREFIX, ProtocolError, error_route_class, pipeline_error
+from api.health import HealthResponse, health_response, model_states
 from api.pipeline import (
     MAX_STOP_ITEMS,
     REQUEST_ID_PATTERN,
@@ -138,13 +139,30 @@ PIPELINE_STATUS = {
 }
 
 
-async def _run(ctx: ServerContext, body: TGIRequest, request_id: str, http: Request) -> TGIGenerateResponse:
+async def _run(ctx: ServerContext, body: TGIRequest, request_id: str, http: Request) -> GenerationResult:
     request = await to_generation_request(ctx, body, request_id, stream=False)
     try:
-        result = await generate(ctx, request, http.is_disconnected)
+        return await generate(ctx, request, http.is_disconnected)
     except PipelineError as exc:
         raise pipeline_error(exc, PIPELINE_STATUS) from None
-    return _generate_response(body, result)
+
+
+def _headers(request_id: str, result: GenerationResult) -> dict[str, str]:
+    """TGI's timing headers (milliseconds; total and compute time run from queueing) and token counts."""
+    finish = result.finish
+    millis = {
+        "x-compute-time": result.duration,
+        "x-total-time": result.duration,
+        "x-queue-time": finish.queue_time,
+        "x-inference-time": finish.inference_time,
+        "x-time-per-token": finish.inference_time / max(finish.generated_tokens, 1),
+    }
+    return {
+        **{name: str(int(seconds * 1000)) for name, seconds in millis.items()},
+        "x-prompt-tokens": str(finish.prompt_tokens),
+        "x-generated-tokens": str(finish.generated_tokens),
+        "x-request-id": request_id,
+    }
 
 
 def _dump(model: TGIGenerateResponse) -> dict:
@@ -216,7 +234,7 @@ async def compat_generate(
     if body.stream:
         return await _stream(ctx, body, request_id, ctx.settings.tgi_stream_format)
     result = await _run(ctx, body, request_id, http)
-    return JSONResponse([_dump(result)], headers={"x-request-id": request_id})
+    return JSONResponse([_dump(_generate_response(body, result))], headers=_headers(request_id, result))
 
 
 @router.post("/generate", responses={**ERROR_RESPONSES, 200: {"model": TGIGenerateResponse}})
@@ -225,7 +243,7 @@ async def generate_route(
 ) -> Response:
     request_id = _request_id(x_request_id)
     result = await _run(ctx, body, request_id, http)
-    return JSONResponse(_dump(result), headers={"x-request-id": request_id})
+    return JSONResponse(_dump(_generate_response(body, result)), headers=_headers(request_id, result))
 
 
 @router.post(
@@ -260,10 +278,10 @@ async def info(ctx: Ctx) -> TGIInfo:
     )
 
 
-@router.get("/health", responses={503: {"model": TGIErrorResponse}})
+@router.get("/health", responses={200: {"model": HealthResponse}, 503: {"model": HealthResponse}})
 async def health(ctx: Ctx) -> Response:
-    """200 when Redis answers and at least one worker of the model is alive."""
+    """200 when Redis answers and at least one worker of the default model is alive, else 503 with TGI's
+    error fields; both list the live workers (per pool) and queue depth of every served model."""
     reason = await unready_reason(ctx)
-    if reason is not None:
-        raise ProtocolError(503, reason, "unhealthy")
-    return Response(status_code=200)
+    body = health_response(reason, await model_states(ctx))
+    return JSONResponse(body.model_dump(exclude_none=True), status_code=200 if reason is None else 503)

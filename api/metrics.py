@@ -1,0 +1,88 @@
+"""Prometheus metrics of an API pod, with TGI's names where they apply, in a registry of the app's own.
+
+Request metrics are recorded by :mod:`api.pipeline` (the path every protocol's requests take), so TGI,
+KServe and OpenAI requests all count. Durations run from queueing the job (validation and tokenizing are
+before it): ``duration`` = queue + inference as this pod saw them; queue and inference times come from the
+worker (:class:`common.protocol.Finish`). Cluster gauges (queue depth, batch sizes, live workers) are read
+from Redis at scrape time, so every pod reports the same values for them.
+
+prometheus-client exposes counters with the ``_total`` suffix of OpenMetrics: ``tgi_request_count_total``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from common.cluster import ModelState
+from common.protocol import Finish
+
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+PER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+TOKEN_BUCKETS = tuple(float(2**n) for n in range(0, 21))  # 1 .. 1 Mi tokens
+
+
+class ApiMetrics:
+    """The pod's metrics, every series labelled with its model."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        registry = self.registry
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, ["model"], buckets=buckets, registry=registry)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, ["model"], registry=registry)
+
+        self.count = Counter("tgi_request_count", "Requests queued or refused at queueing", ["model"],
+                             registry=registry)
+        self.success = Counter("tgi_request_success", "Requests that finished", ["model"], registry=registry)
+        self.failure = Counter("tgi_request_failure", "Requests that failed, by error type", ["model", "err"],
+                               registry=registry)
+        self.duration = histogram("tgi_request_duration", "Seconds from queueing to the last token",
+                                  DURATION_BUCKETS)
+        self.queue_duration = histogram("tgi_request_queue_duration", "Seconds queued before the prefill",
+                                        DURATION_BUCKETS)
+        self.inference_duration = histogram("tgi_request_inference_duration", "Seconds from prefill to last token",
+                                            DURATION_BUCKETS)
+        self.time_per_token = histogram("tgi_request_mean_time_per_token_duration",
+                                        "Inference seconds per generated token", PER_TOKEN_BUCKETS)
+        self.input_length = histogram("tgi_request_input_length", "Prompt tokens", TOKEN_BUCKETS)
+        self.max_new_tokens = histogram("tgi_request_max_new_tokens", "Effective max_new_tokens", TOKEN_BUCKETS)
+        self.generated_tokens = histogram("tgi_request_generated_tokens", "Generated tokens", TOKEN_BUCKETS)
+        self.queue_size = gauge("tgi_queue_size", "Jobs queued or running (the job stream's length)")
+        self.batch_size = gauge("tgi_batch_current_size", "Requests running, summed over live workers")
+        self.batch_tokens = gauge("tgi_batch_current_max_tokens", "KV budget held, summed over live workers")
+        self.live_workers = gauge("ferry_live_workers", "Workers with a live heartbeat")
+
+    def request_queued(self, model: str, input_length: int, max_new_tokens: int) -> None:
+        self.count.labels(model).inc()
+        self.input_length.labels(model).observe(input_length)
+        self.max_new_tokens.labels(model).observe(max_new_tokens)
+
+    def request_refused(self, model: str, error_type: str) -> None:
+        """Refused at queueing (overloaded, duplicate id, Redis unreachable): counted, and failed."""
+        self.count.labels(model).inc()
+        self.request_failed(model, error_type)
+
+    def request_failed(self, model: str, error_type: str) -> None:
+        self.failure.labels(model, error_type).inc()
+
+    def request_finished(self, model: str, finish: Finish, duration: float) -> None:
+        self.success.labels(model).inc()
+        self.duration.labels(model).observe(duration)
+        self.queue_duration.labels(model).observe(finish.queue_time)
+        self.inference_duration.labels(model).observe(finish.inference_time)
+        self.time_per_token.labels(model).observe(finish.inference_time / max(finish.generated_tokens, 1))
+        self.generated_tokens.labels(model).observe(finish.generated_tokens)
+
+    def observe_cluster(self, states: list[ModelState]) -> None:
+        """Set the cluster gauges from a fresh read of Redis."""
+        for state in states:
+            self.queue_size.labels(state.model).set(state.queue_depth)
+            self.batch_size.labels(state.model).set(state.batch_size)
+            self.batch_tokens.labels(state.model).set(state.kv_reserved_tokens)
+            self.live_workers.labels(state.model).set(len(state.workers))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
