@@ -124,6 +124,7 @@ def effective_max_new_tokens(ctx: ServerContext, requested: int | None, default:
 
 Disconnected = Callable[[], Awaitable[bool]]
 DISCONNECT_POLL_SECONDS = 0.5
+CLOSE_TIMEOUT_SECONDS = 5.0
 
 
 class Submission:
@@ -209,12 +210,15 @@ class Submission:
         self._record()
         ctx, model = self.ctx, self.job.model
         ctx.relay.release(self.request_id)
-        try:
-            if self.finish is None:
-                await send_control(ctx, Control(request_id=self.request_id, action="cancel"))
-            await ctx.redis.delete(keys.inflight_key(model, self.request_id))
-        except RedisError:
-            log.warning("could not release request %s: Redis unreachable", self.request_id)
+        # Often called from a cancelled task (the body of a stream whose client left), where every await
+        # would be cancelled too: shield the clean-up, but never wait long for Redis.
+        with anyio.move_on_after(CLOSE_TIMEOUT_SECONDS, shield=True):
+            try:
+                if self.finish is None:
+                    await send_control(ctx, Control(request_id=self.request_id, action="cancel"))
+                await ctx.redis.delete(keys.inflight_key(model, self.request_id))
+            except RedisError:
+                log.warning("could not release request %s: Redis unreachable", self.request_id)
 
     def _record(self) -> None:
         """The request's outcome, in the metrics and one log line (the one place every protocol's requests end)."""
