@@ -144,6 +144,7 @@ class Submission:
         self.finish: Finish | None = None  # the last event's, once it came
         self._failure: str | None = None  # the error type that ended the request, if one did
         self._closed = False
+        self._next_disconnect_poll = 0.0  # time.monotonic() of the next look at the client
 
     @property
     def request_id(self) -> str:
@@ -188,7 +189,13 @@ class Submission:
         wait = min(settings.token_timeout, (self.job.deadline or math.inf) - time.time())
         deadline = time.monotonic() + wait
         while True:
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            # Poll the client every DISCONNECT_POLL_SECONDS, whether tokens keep coming or not.
+            if disconnected is not None and now >= self._next_disconnect_poll:
+                self._next_disconnect_poll = now + DISCONNECT_POLL_SECONDS
+                if await disconnected():
+                    raise PipelineError("the client disconnected", "client_disconnected")
+            remaining = deadline - now
             if remaining <= 0:
                 raise PipelineError(
                     f"request timed out: no token within {wait:.3g} s (tokenTimeout {settings.token_timeout:g} s, "
@@ -196,12 +203,10 @@ class Submission:
                     "incomplete_generation",
                 )
             try:
-                # Poll the client at most every DISCONNECT_POLL_SECONDS while waiting for the worker.
-                poll = remaining if disconnected is None else min(remaining, DISCONNECT_POLL_SECONDS)
+                poll = remaining if disconnected is None else min(remaining, self._next_disconnect_poll - now)
                 return await asyncio.wait_for(self._queue.get(), poll)
             except asyncio.TimeoutError:
-                if disconnected is not None and await disconnected():
-                    raise PipelineError("the client disconnected", "client_disconnected") from None
+                pass
 
     async def close(self) -> None:
         if self._closed:
