@@ -360,9 +360,10 @@ async def stop_infer(body: StopInferRequest, ctx: Ctx) -> StopInferRequest:
     """Stop a request in flight: it ends at its next token with finish_reason ``stop_sequence``, and its
     client gets the text so far. Any request id works, whichever route and API pod took the request."""
     try:
-        if not await ctx.redis.exists(keys.inflight_key(ctx.model.model_id, body.id)):
+        job_id = await ctx.redis.get(keys.inflight_key(ctx.model.model_id, body.id))  # see api.pipeline.submit
+        if job_id is None:
             raise ProtocolError(404, f"request {body.id} is not in flight", "NotFoundError")
-        await send_control(ctx, Control(request_id=body.id, action="stop"))
+        await send_control(ctx, Control(request_id=job_id.decode(), action="stop"))
     except RedisError as exc:
         raise ProtocolError(503, f"the job queue is unreachable: {exc}", "unavailable") from None
     return body

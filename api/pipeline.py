@@ -136,19 +136,17 @@ class Submission:
     drop it so no compute is spent on a client that left.
     """
 
-    def __init__(self, ctx: ServerContext, job: Job, queue: asyncio.Queue[bytes]) -> None:
+    def __init__(self, ctx: ServerContext, job: Job, queue: asyncio.Queue[bytes], request_id: str | None = None) -> None:
         self.ctx = ctx
         self.job = job
+        # The client's id (x-request-id, KServe `id`); the job's own id adds a nonce to it (see _queue).
+        self.request_id = request_id or job.request_id
         self._queue = queue
         self.queued_at = time.monotonic()
         self.finish: Finish | None = None  # the last event's, once it came
         self._failure: str | None = None  # the error type that ended the request, if one did
         self._closed = False
         self._next_disconnect_poll = 0.0  # time.monotonic() of the next look at the client
-
-    @property
-    def request_id(self) -> str:
-        return self.job.request_id
 
     async def events(self, disconnected: Disconnected | None = None) -> AsyncIterator[TokenEvent]:
         """The token events in order, each index once; the last carries ``finish``.
@@ -214,13 +212,13 @@ class Submission:
         self._closed = True
         self._record()
         ctx, model = self.ctx, self.job.model
-        ctx.relay.release(self.request_id)
+        ctx.relay.release(self.job.request_id)
         # Often called from a cancelled task (the body of a stream whose client left), where every await
         # would be cancelled too: shield the clean-up, but never wait long for Redis.
         with anyio.move_on_after(CLOSE_TIMEOUT_SECONDS, shield=True):
             try:
                 if self.finish is None:
-                    await send_control(ctx, Control(request_id=self.request_id, action="cancel"))
+                    await send_control(ctx, Control(request_id=self.job.request_id, action="cancel"))
                 await ctx.redis.delete(keys.inflight_key(model, self.request_id))
             except RedisError:
                 log.warning("could not release request %s: Redis unreachable", self.request_id)
@@ -279,37 +277,40 @@ async def _queue(ctx: ServerContext, request: GenerationRequest) -> Submission:
         raise PipelineError(f"too many concurrent requests on this server (maxLinkNum {settings.max_link_num})",
                             "overloaded")
     now = time.time()
+    # The job's id is unique to this submission (the client's id is unique only while in flight), so a late
+    # event or control message of an earlier request with the same client id never applies to this one.
+    job_id = f"{request.request_id}.{uuid.uuid4().hex[:12]}"
     job = Job(
-        request_id=request.request_id,
+        request_id=job_id,
         model=ctx.model.model_id,
-        reply_channel=ctx.relay.channel(request.request_id),
+        reply_channel=ctx.relay.channel(job_id),
         input_ids=request.input_ids,
         params=request.params,
         decoder_input_details=request.decoder_input_details,
         enqueued_at=now,
         deadline=now + settings.e2e_timeout,
     )
-    stream, inflight = keys.job_stream(job.model), keys.inflight_key(job.model, job.request_id)
+    stream, inflight = keys.job_stream(job.model), keys.inflight_key(job.model, request.request_id)
     try:
         pipe = ctx.redis.pipeline(transaction=False)
-        pipe.set(inflight, ctx.api_id, nx=True, ex=int(settings.e2e_timeout) + 60)
+        pipe.set(inflight, job_id, nx=True, ex=int(settings.e2e_timeout) + 60)
         pipe.xlen(stream)
         fresh, queued = await pipe.execute()
         if not fresh:
-            raise PipelineError(f"a request with id '{job.request_id}' is already in flight", "validation")
+            raise PipelineError(f"a request with id '{request.request_id}' is already in flight", "validation")
         if queued >= settings.max_queue_size:
             await ctx.redis.delete(inflight)
             raise PipelineError(f"the queue of model {job.model} is full ({queued} requests, maxQueueSize "
                                 f"{settings.max_queue_size}); retry later", "overloaded")
-        queue = ctx.relay.register(job.request_id)
+        queue = ctx.relay.register(job_id)
         try:
             await ctx.redis.xadd(stream, {keys.JOB_FIELD: job.model_dump_json()})
         except BaseException:
-            ctx.relay.release(job.request_id)
+            ctx.relay.release(job_id)
             raise
     except RedisError as exc:
         raise PipelineError(f"the job queue is unreachable: {exc}", "unavailable") from None
-    return Submission(ctx, job, queue)
+    return Submission(ctx, job, queue, request.request_id)
 
 
 async def generate(
