@@ -125,9 +125,10 @@ def test_every_protocol_is_counted_once(stack: Stack) -> None:
 def test_health_lists_live_workers_per_pool(stack: Stack) -> None:
     response = httpx.get(f"{stack.base_url}/health")
     assert response.status_code == 200
-    assert response.json() == {
-        "status": "ok", "models": {stack.model_name: {"live_workers": 1, "pools": {"cpu": 1}, "queue_depth": 0}},
-    }
+    body = response.json()
+    assert body["status"] == "ok" and list(body["models"]) == [stack.model_name]
+    model = body["models"][stack.model_name]
+    assert (model["live_workers"], model["pools"]) == (1, {"cpu": 1}) and model["queue_depth"] >= 0
 
 
 # --------------------------------------------------------------------------------------------- worker
