@@ -182,6 +182,11 @@ class Submission:
             raise
         return event
 
+    @property
+    def ready(self) -> bool:
+        """Whether an event is already here (the next one is had without waiting)."""
+        return not self._queue.empty()
+
     async def _next(self, disconnected: Disconnected | None) -> bytes:
         settings = self.ctx.settings
         wait = min(settings.token_timeout, (self.job.deadline or math.inf) - time.time())
@@ -200,6 +205,8 @@ class Submission:
                     f"e2eTimeout {settings.e2e_timeout:g} s)",
                     "incomplete_generation",
                 )
+            if self.ready:  # no timer and no task for an event that is here (a busy pod catching up)
+                return self._queue.get_nowait()
             try:
                 poll = remaining if disconnected is None else min(remaining, self._next_disconnect_poll - now)
                 return await asyncio.wait_for(self._queue.get(), poll)

@@ -24,10 +24,17 @@ class FakeSubmission:
         self.ctx = ctx
         self._events = events
         self._error = error
+        self._taken = 0
         self.closed = False
+
+    @property
+    def ready(self) -> bool:
+        """Every replayed event (and the error) is here from the start, as when a busy pod falls behind."""
+        return self._taken < len(self._events) or (self._error is not None and self._taken == len(self._events))
 
     async def events(self, disconnected=None) -> AsyncIterator[TokenEvent]:
         for event in self._events:
+            self._taken += 1
             yield event
         if self._error is not None:
             raise self._error
