@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: serve test
+.PHONY: serve test bench
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,3 +18,8 @@ serve: $(BIN)/.installed
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest $(ARGS)
+
+# The serving benchmark (bench/serve_bench.py; bench/RESULTS.md): writes bench/out/. ARGS="--help" lists its options.
+bench: $(BIN)/.installed
+	$(BIN)/pip install --quiet -e '.[test,bench]'
+	$(BIN)/python bench/serve_bench.py $(ARGS)
