@@ -14,7 +14,6 @@ from api.context import ModelInfo, ServerContext
 from api.relay import EventRelay
 from common.settings import Settings
 
-
 # The pod's requests share these Redis connections. redis-py's default pool fails a command with "Too many
 # connections" once 100 are in use (a burst of over 100 simultaneous requests); this one waits for a free one.
 REDIS_POOL_SIZE = 100

@@ -18,8 +18,8 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
-from starlette.exceptions import HTTPException
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException
 
 from api.pipeline import PipelineError
 

@@ -18,6 +18,7 @@ from typing import Annotated, Any, TypeVar
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from api.pipeline import MAX_INPUT_CHARS, REQUEST_ID_PATTERN, check_text, validate_stop
+from api.ranges import in_range
 
 INPUT_NAME = "input0"
 OUTPUT_NAME = "output0"
@@ -40,55 +41,23 @@ class SamplingParameters(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
+    temperature: Annotated[
+        float | None, in_range("`temperature` must be strictly positive. Given: {v}", gt=0.0)
+    ] = None
+    top_k: Annotated[
+        int | None, in_range(f"`top_k` must be >= 0 and <= {INT32_MAX} (0 = off). Given: {{v}}", ge=0, le=INT32_MAX)
+    ] = None
+    top_p: Annotated[
+        float | None, in_range("`top_p` must be > 0.0 and <= 1.0 (1.0 = off). Given: {v}", gt=0.0, le=1.0)
+    ] = None
     do_sample: bool | None = None
-    seed: int | None = None
-    repetition_penalty: float | None = None
-    max_new_tokens: int | None = None
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, v: float | None) -> float | None:
-        if v is not None and v <= 0.0:
-            raise ValueError(f"`temperature` must be strictly positive. Given: {v}")
-        return v
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, v: int | None) -> int | None:
-        if v is not None and not 0 <= v <= INT32_MAX:
-            raise ValueError(f"`top_k` must be >= 0 and <= {INT32_MAX} (0 = off). Given: {v}")
-        return v
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, v: float | None) -> float | None:
-        if v is not None and not 0.0 < v <= 1.0:
-            raise ValueError(f"`top_p` must be > 0.0 and <= 1.0 (1.0 = off). Given: {v}")
-        return v
-
-    @field_validator("seed")
-    @classmethod
-    def _seed(cls, v: int | None) -> int | None:
-        if v is not None and not 0 < v <= UINT64_MAX:
-            raise ValueError(f"`seed` must be > 0 and <= {UINT64_MAX}. Given: {v}")
-        return v
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _repetition_penalty(cls, v: float | None) -> float | None:
-        if v is not None and v <= 0.0:
-            raise ValueError(f"`repetition_penalty` must be strictly positive. Given: {v}")
-        return v
-
-    @field_validator("max_new_tokens")
-    @classmethod
-    def _max_new_tokens(cls, v: int | None) -> int | None:
-        if v is not None and v <= 0:
-            raise ValueError(f"`max_new_tokens` must be strictly positive. Given: {v}")
-        return v
+    seed: Annotated[
+        int | None, in_range(f"`seed` must be > 0 and <= {UINT64_MAX}. Given: {{v}}", gt=0, le=UINT64_MAX)
+    ] = None
+    repetition_penalty: Annotated[
+        float | None, in_range("`repetition_penalty` must be strictly positive. Given: {v}", gt=0.0)
+    ] = None
+    max_new_tokens: Annotated[int | None, in_range("`max_new_tokens` must be strictly positive. Given: {v}", gt=0)] = None
 
 
 P = TypeVar("P", bound=SamplingParameters)
@@ -269,19 +238,12 @@ class GenerateParameters(SamplingParameters):
     (TensorRT-LLM's name for ``max_new_tokens``)."""
 
     stop: list[str] | str | None = None
-    max_tokens: int | None = None
+    max_tokens: Annotated[int | None, in_range("`max_tokens` must be strictly positive. Given: {v}", gt=0)] = None
 
     @field_validator("stop")
     @classmethod
     def _stop(cls, v: list[str] | str | None) -> list[str] | None:
         return validate_stop(v) or None
-
-    @field_validator("max_tokens")
-    @classmethod
-    def _max_tokens(cls, v: int | None) -> int | None:
-        if v is not None and v <= 0:
-            raise ValueError(f"`max_tokens` must be strictly positive. Given: {v}")
-        return v
 
 
 class KServeGenerateRequest(GenerateParameters):

@@ -9,7 +9,7 @@ implemented are rejected with a clear message instead of being silently ignored.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from api.pipeline import MAX_INPUT_CHARS, check_text, validate_stop
+from api.ranges import in_range
 
 OPENAI_MAX_STOP = 4  # OpenAI's cap on stop sequences, stricter than the pipeline's
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -48,9 +49,11 @@ class SamplingRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    max_tokens: Annotated[int | None, in_range("`max_tokens` must be strictly positive. Given: {v}", gt=0)] = None
+    temperature: Annotated[
+        float | None, in_range("`temperature` must be >= 0 and <= 2 (0 = greedy). Given: {v}", ge=0.0, le=2.0)
+    ] = None
+    top_p: Annotated[float | None, in_range("`top_p` must be > 0 and <= 1 (1 = off). Given: {v}", gt=0.0, le=1.0)] = None
     n: int | None = None
     stop: list[str] | str | None = None
     seed: int | None = None
@@ -60,27 +63,6 @@ class SamplingRequest(BaseModel):
     user: str | None = None  # accepted and ignored: it only identifies the end user to OpenAI
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-
-    @field_validator("max_tokens")
-    @classmethod
-    def _max_tokens(cls, v: int | None) -> int | None:
-        if v is not None and v <= 0:
-            raise ValueError(f"`max_tokens` must be strictly positive. Given: {v}")
-        return v
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, v: float | None) -> float | None:
-        if v is not None and not 0.0 <= v <= 2.0:
-            raise ValueError(f"`temperature` must be >= 0 and <= 2 (0 = greedy). Given: {v}")
-        return v
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, v: float | None) -> float | None:
-        if v is not None and not 0.0 < v <= 1.0:
-            raise ValueError(f"`top_p` must be > 0 and <= 1 (1 = off). Given: {v}")
-        return v
 
     @field_validator("n")
     @classmethod

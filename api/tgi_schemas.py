@@ -1,17 +1,18 @@
 """Request and response shapes of the TGI 0.9.4 compatible routes, with SPEC.md section 1's rules.
 
-Field rules live on the models (one validator per rule, messages worded like TGI's ``validation.rs``);
+Field rules live on the models (one rule per field, messages worded like TGI's ``validation.rs``);
 rules that need the tokenizer or server limits live in :func:`api.tgi.to_generation_request`.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from api.pipeline import MAX_INPUT_CHARS, check_text, validate_stop
+from api.ranges import in_range
 from common.protocol import FinishReason
 
 UINT32_MAX_PARAM = 2147483647
@@ -25,85 +26,41 @@ class TGIParameters(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
-    best_of: int | None = None
+    best_of: Annotated[
+        int | None, in_range("`best_of` != 1 is not supported by this server. Given: {v}", ge=1, le=1)
+    ] = None
     decoder_input_details: bool | None = None
     details: bool | None = None
     do_sample: bool | None = None
-    max_new_tokens: int | None = None
-    repetition_penalty: float | None = None
+    max_new_tokens: Annotated[
+        int | None,
+        in_range(f"`max_new_tokens` must be strictly positive and <= {UINT32_MAX_PARAM}. Given: {{v}}",
+                 gt=0, le=UINT32_MAX_PARAM),
+    ] = None
+    repetition_penalty: Annotated[float | None, in_range("`repetition_penalty` must be strictly positive", gt=0.0)] = None
     return_full_text: bool | None = None
-    seed: int | None = None
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    truncate: int | None = None
-    typical_p: float | None = None
+    seed: Annotated[
+        int | None, in_range(f"`seed` must be > 0 and <= {UINT64_MAX}. Given: {{v}}", gt=0, le=UINT64_MAX)
+    ] = None
+    temperature: Annotated[
+        float | None, in_range("`temperature` must be strictly positive (> 1e-06). Given: {v}", gt=1e-6)
+    ] = None
+    top_k: Annotated[
+        int | None,
+        in_range(f"`top_k` must be strictly positive and <= {UINT32_MAX_PARAM}. Given: {{v}}", gt=0, le=UINT32_MAX_PARAM),
+    ] = None
+    top_p: Annotated[float | None, in_range("`top_p` must be > 1e-06 and < 1.0. Given: {v}", gt=1e-6, lt=1.0)] = None
+    truncate: Annotated[
+        int | None,
+        in_range(f"`truncate` must be strictly positive and <= {UINT32_MAX_PARAM}. Given: {{v}}",
+                 gt=0, le=UINT32_MAX_PARAM),
+    ] = None
+    typical_p: Annotated[
+        float | None, in_range("`typical_p` must be > 0.0 and <= 1.0. Given: {v}", gt=0.0, le=1.0)
+    ] = None
     watermark: bool | None = None
     stop: list[str] | str | None = None
     adapter_id: str | None = None
-
-    @field_validator("best_of")
-    @classmethod
-    def _best_of(cls, v: int | None) -> int | None:
-        if v is not None and v != 1:
-            raise ValueError(f"`best_of` != 1 is not supported by this server. Given: {v}")
-        return v
-
-    @field_validator("max_new_tokens")
-    @classmethod
-    def _max_new_tokens(cls, v: int | None) -> int | None:
-        if v is not None and not 0 < v <= UINT32_MAX_PARAM:
-            raise ValueError(f"`max_new_tokens` must be strictly positive and <= {UINT32_MAX_PARAM}. Given: {v}")
-        return v
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _repetition_penalty(cls, v: float | None) -> float | None:
-        if v is not None and v <= 0.0:
-            raise ValueError("`repetition_penalty` must be strictly positive")
-        return v
-
-    @field_validator("seed")
-    @classmethod
-    def _seed(cls, v: int | None) -> int | None:
-        if v is not None and not 0 < v <= UINT64_MAX:
-            raise ValueError(f"`seed` must be > 0 and <= {UINT64_MAX}. Given: {v}")
-        return v
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, v: float | None) -> float | None:
-        if v is not None and v <= 1e-6:
-            raise ValueError(f"`temperature` must be strictly positive (> 1e-06). Given: {v}")
-        return v
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, v: int | None) -> int | None:
-        if v is not None and not 0 < v <= UINT32_MAX_PARAM:
-            raise ValueError(f"`top_k` must be strictly positive and <= {UINT32_MAX_PARAM}. Given: {v}")
-        return v
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, v: float | None) -> float | None:
-        if v is not None and not 1e-6 < v < 1.0:
-            raise ValueError(f"`top_p` must be > 1e-06 and < 1.0. Given: {v}")
-        return v
-
-    @field_validator("truncate")
-    @classmethod
-    def _truncate(cls, v: int | None) -> int | None:
-        if v is not None and not 0 < v <= UINT32_MAX_PARAM:
-            raise ValueError(f"`truncate` must be strictly positive and <= {UINT32_MAX_PARAM}. Given: {v}")
-        return v
-
-    @field_validator("typical_p")
-    @classmethod
-    def _typical_p(cls, v: float | None) -> float | None:
-        if v is not None and not 0.0 < v <= 1.0:
-            raise ValueError(f"`typical_p` must be > 0.0 and <= 1.0. Given: {v}")
-        return v
 
     @field_validator("stop")
     @classmethod

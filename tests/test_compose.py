@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
+import tomllib
 import yaml
 
 from common.settings import Settings

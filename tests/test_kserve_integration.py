@@ -12,8 +12,8 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.http as triton
-from tritonclient.utils import InferenceServerException
 from transformers import AutoTokenizer
+from tritonclient.utils import InferenceServerException
 
 from tests.conftest import Stack, start_stack, stop_stack
 

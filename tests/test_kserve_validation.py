@@ -22,13 +22,12 @@ import pytest
 from fastapi.testclient import TestClient
 from tritonclient.http import InferResult
 
-import api.kserve
 from api.app import create_app
 from api.context import ModelInfo, ServerContext
 from api.kserve import (
-    text_to_generation_request,
     infer_response,
     parse_infer_body,
+    text_to_generation_request,
     to_generation_request,
 )
 from api.kserve_schemas import KServeGenerateRequest, KServeInferRequest, SamplingParameters
