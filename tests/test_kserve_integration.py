@@ -3,7 +3,6 @@ the official ``tritonclient.http`` client unchanged, and cross-checked against t
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ from transformers import AutoTokenizer
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import Stack, start_stack, stop_stack
+from tests.sse import sse_data
 
 PROMPT = "def main("
 
@@ -48,16 +48,6 @@ def triton_infer(
     )
     return result.as_numpy("output0")
 
-
-def sse_events(response: httpx.Response) -> list[dict]:
-    """``data:`` + one line of JSON + blank line; comment lines are keep-alives."""
-    events = []
-    for line in response.text.split("\n"):
-        if line.startswith("data:"):
-            events.append(json.loads(line[len("data:") :]))
-        else:
-            assert line == "" or line.startswith(":"), f"unexpected SSE line {line!r}"
-    return events
 
 
 @pytest.mark.parametrize("binary", [True, False], ids=["binary-tensors", "json-tensors"])
@@ -157,7 +147,7 @@ def test_generate_and_generate_stream(stack: Stack) -> None:
         assert resp.status_code == 200
         assert resp.headers["content-type"].startswith("text/event-stream")
         resp.read()
-    events = sse_events(resp)
+    events = sse_data(resp.text)
     assert len(events) == 10
     assert all(e["model_name"] == stack.model_name for e in events)
     assert "".join(e["text_output"] for e in events) == tgi["generated_text"]

@@ -37,6 +37,7 @@ from common import keys
 from common.protocol import Finish, TokenEvent, TokenInfo
 from common.settings import Settings
 from tests.fakes import FakeSubmission, patch_submit
+from tests.sse import sse_data
 
 MODEL = "tiny-kserve"
 INFER = f"/v2/models/{MODEL}/infer"
@@ -645,11 +646,6 @@ def test_generate_response(client: TestClient, stand_in_worker: list[GenerationR
     assert response.status_code == 200, response.text
     assert response.json() == {"model_name": MODEL, "model_version": "", "text_output": "<7><8><9>"}
 
-
-def sse_data(text: str) -> list[dict[str, Any]]:
-    lines = [line for line in text.split("\n") if line and not line.startswith(":")]
-    assert all(line.startswith("data: ") for line in lines), lines
-    return [json.loads(line[len("data: ") :]) for line in lines]
 
 
 def test_generate_stream_events(client: TestClient, stand_in_worker: list[GenerationRequest]) -> None:

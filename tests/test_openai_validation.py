@@ -29,6 +29,7 @@ from api.relay import EventRelay
 from common.protocol import Finish, FinishReason, TokenEvent, TokenInfo
 from common.settings import Settings
 from tests.fakes import FakeSubmission, patch_submit
+from tests.sse import sse_data
 
 MODEL = "tiny-openai"
 COMPLETIONS = "/v1/completions"
@@ -103,17 +104,6 @@ def canned_events(request: GenerationRequest, pieces: list[str], reason: FinishR
     last = len(tokens) - 1
     return [TokenEvent(index=i, token=t, finish=finish if i == last else None) for i, t in enumerate(tokens)]
 
-
-def sse_data(text: str) -> list[Any]:
-    """The ``data:`` payloads of an SSE body, JSON decoded but ``[DONE]``; every line is data, comment or blank."""
-    payloads = []
-    for line in text.split("\n"):
-        if line.startswith("data: "):
-            data = line[len("data: ") :]
-            payloads.append(data if data == "[DONE]" else json.loads(data))
-        else:
-            assert line == "" or line.startswith(":"), f"unexpected SSE line {line!r}"
-    return payloads
 
 
 # --------------------------------------------------------------------------------------------- fixtures

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 import httpx
@@ -14,6 +13,7 @@ from text_generation import AsyncClient, Client
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import Stack
+from tests.sse import sse_data
 
 PROMPT = "def main("
 
@@ -32,16 +32,6 @@ def reference(tiny_model_path: Path):
 
     return tokenizer, greedy
 
-
-def sse_events(response: httpx.Response) -> list[dict]:
-    """Parse TGI-framed SSE: ``data:`` + one line of JSON + blank line; comment lines are keep-alives."""
-    events = []
-    for line in response.text.split("\n"):
-        if line.startswith("data:"):
-            events.append(json.loads(line[len("data:") :]))
-        else:
-            assert line == "" or line.startswith(":"), f"unexpected SSE line {line!r}"
-    return events
 
 
 def test_non_stream_list_shape_with_details(stack: Stack, reference) -> None:
@@ -82,7 +72,7 @@ def test_stream_seed_format_on_root(stack: Stack, reference) -> None:
         assert resp.status_code == 200
         assert resp.headers["content-type"].startswith("text/event-stream")
         resp.read()
-    events = sse_events(resp)
+    events = sse_data(resp.text)
     assert len(events) == 12
     assert [e["token"]["id"] for e in events] == [[i] for i in greedy(PROMPT, 12)]
     assert all(e["generated_text"] is None and e["details"] is None for e in events[:-1])
@@ -101,7 +91,7 @@ def test_generate_and_generate_stream_routes(stack: Stack, reference) -> None:
     assert isinstance(one, dict) and [t["id"] for t in one["details"]["tokens"]] == expected
     with httpx.stream("POST", f"{stack.base_url}/generate_stream", json=body, timeout=60) as resp:
         resp.read()
-    events = sse_events(resp)
+    events = sse_data(resp.text)
     assert [e["token"]["id"] for e in events] == expected  # TGI's int ids on /generate_stream
     assert events[-1]["generated_text"] == one["generated_text"]
 
@@ -177,7 +167,7 @@ def test_stop_sequence_cuts_text_and_is_excluded(stack: Stack, reference) -> Non
     assert result["details"]["finish_reason"] == "stop_sequence"
     with httpx.stream("POST", f"{stack.base_url}/generate_stream", json=body, timeout=60) as resp:
         resp.read()
-    events = sse_events(resp)
+    events = sse_data(resp.text)
     assert "".join(e["token"]["text"] for e in events) == expected_text
     assert events[-1]["details"]["finish_reason"] == "stop_sequence"
 
