@@ -298,6 +298,9 @@ async def _queue(ctx: ServerContext, request: GenerationRequest) -> Submission:
         deadline=now + settings.e2e_timeout,
     )
     stream, inflight = keys.job_stream(job.model), keys.inflight_key(job.model, request.request_id)
+    # Registering takes one of the pod's maxLinkNum places with no await since the check above, so
+    # concurrent requests cannot all pass the check; every failure below gives the place back.
+    queue = ctx.relay.register(job_id)
     try:
         pipe = ctx.redis.pipeline(transaction=False)
         pipe.set(inflight, job_id, nx=True, ex=int(settings.e2e_timeout) + 60)
@@ -309,14 +312,12 @@ async def _queue(ctx: ServerContext, request: GenerationRequest) -> Submission:
             await ctx.redis.delete(inflight)
             raise PipelineError(f"the queue of model {job.model} is full ({queued} requests, maxQueueSize "
                                 f"{settings.max_queue_size}); retry later", "overloaded")
-        queue = ctx.relay.register(job_id)
-        try:
-            await ctx.redis.xadd(stream, {keys.JOB_FIELD: job.model_dump_json()})
-        except BaseException:
-            ctx.relay.release(job_id)
-            raise
-    except RedisError as exc:
-        raise PipelineError(f"the job queue is unreachable: {exc}", "unavailable") from None
+        await ctx.redis.xadd(stream, {keys.JOB_FIELD: job.model_dump_json()})
+    except BaseException as exc:
+        ctx.relay.release(job_id)
+        if isinstance(exc, RedisError):
+            raise PipelineError(f"the job queue is unreachable: {exc}", "unavailable") from None
+        raise
     return Submission(ctx, job, queue, request.request_id)
 
 

@@ -426,8 +426,8 @@ class Cluster:
     """A stack (workers and the main API pod) of one model plus extra API pods, over a private Redis.
 
     ``main``: the stack's pod (maxQueueSize 8, shutdownGraceSeconds 10). ``strict``: the same model with
-    e2eTimeout 1.5 s. ``idle``: a model no worker serves, with tokenTimeout 3 s, maxLinkNum 2,
-    maxQueueSize 3. Tests that kill or stop processes put back what the next test needs.
+    e2eTimeout 1.5 s. ``idle``: a model no worker serves, with tokenTimeout 3 s, maxLinkNum 3,
+    maxQueueSize 4. Tests that kill or stop processes put back what the next test needs.
     """
 
     IDLE_MODEL = "nobody-serves-this"
@@ -443,8 +443,8 @@ class Cluster:
         self.redis = redis.Redis.from_url(server.url)
         self.pods: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
         self._spawn_pod("strict", {"E2E_TIMEOUT": "1.5"})
-        self._spawn_pod("idle", {"MODEL_NAME": self.IDLE_MODEL, "TOKEN_TIMEOUT": "3", "MAX_LINK_NUM": "2",
-                                 "MAX_QUEUE_SIZE": "3"})
+        self._spawn_pod("idle", {"MODEL_NAME": self.IDLE_MODEL, "TOKEN_TIMEOUT": "3", "MAX_LINK_NUM": "3",
+                                 "MAX_QUEUE_SIZE": "4"})
 
     @property
     def model(self) -> str:
@@ -847,7 +847,7 @@ def test_full_queue_is_429_on_tgi_routes_and_503_on_kserve(cluster: Cluster) -> 
     url = cluster.pod("idle")
     stream_key = keys.job_stream(Cluster.IDLE_MODEL)
     cluster.redis.delete(stream_key)
-    for _ in range(3):  # three jobs queued by other pods
+    for _ in range(4):  # four jobs queued by other pods
         cluster.redis.xadd(stream_key, {keys.JOB_FIELD: "{}"})
     infer = {"inputs": [{"name": "input0", "shape": [1, 2], "datatype": "UINT32", "data": [1, 5]}],
              "outputs": [{"name": "output0"}]}
@@ -866,14 +866,14 @@ def test_full_queue_is_429_on_tgi_routes_and_503_on_kserve(cluster: Cluster) -> 
 
 
 def test_max_link_num_per_pod_is_429(cluster: Cluster) -> None:
-    """maxLinkNum 2: a third concurrent request on the pod is refused at once; finished requests free their
-    place (the two waiting ones time out after tokenTimeout 3 s, then a request is accepted again)."""
+    """maxLinkNum 3: a fourth concurrent request on the pod is refused at once; finished requests free their
+    place (the three waiting ones time out after tokenTimeout 3 s, then a request is accepted again)."""
     url = cluster.pod("idle")
     cluster.redis.delete(keys.job_stream(Cluster.IDLE_MODEL))
 
     async def run() -> tuple[list[int], httpx.Response, int]:
         async with httpx.AsyncClient(base_url=url, timeout=20) as client:
-            waiting = [asyncio.create_task(client.post("/generate", json=body(5))) for _ in range(2)]
+            waiting = [asyncio.create_task(client.post("/generate", json=body(5))) for _ in range(3)]
             await asyncio.sleep(1.0)
             refused = await client.post("/generate", json=body(5))
             statuses = [r.status_code for r in await asyncio.gather(*waiting)]
@@ -882,7 +882,7 @@ def test_max_link_num_per_pod_is_429(cluster: Cluster) -> None:
 
     statuses, refused, again = asyncio.run(run())
     assert refused.status_code == 429 and "maxLinkNum" in refused.json()["error"], refused.text
-    assert statuses == [500, 500] and again == 500  # accepted, then timed out: nobody serves this model
+    assert statuses == [500, 500, 500] and again == 500  # accepted, then timed out: nobody serves this model
     cluster.redis.delete(keys.job_stream(Cluster.IDLE_MODEL))
 
 
