@@ -199,7 +199,7 @@ async def text_to_generation_request(ctx: ServerContext, body: KServeGenerateReq
 
 async def _run(ctx: ServerContext, request: GenerationRequest, http: Request) -> GenerationResult:
     try:
-        return await generate(ctx, request, http.is_disconnected)
+        return await generate(ctx, request, http)
     except PipelineError as exc:
         raise pipeline_error(exc, PIPELINE_STATUS) from None
 

@@ -281,7 +281,7 @@ async def _respond(
     if body.stream:
         return await _stream(ctx, request, shape, body.include_usage)
     try:
-        result = await generate(ctx, request, http.is_disconnected)
+        result = await generate(ctx, request, http)
     except PipelineError as exc:
         raise pipeline_error(exc, PIPELINE_STATUS) from None
     return JSONResponse(shape.response(result.finish).model_dump())

@@ -14,12 +14,13 @@ import re
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from functools import partial
 
 import anyio
 from pydantic import BaseModel, Field
 from redis.exceptions import RedisError
+from starlette.requests import Request
 
 from api.context import ServerContext
 from api.health import live_workers
@@ -122,8 +123,6 @@ def effective_max_new_tokens(ctx: ServerContext, requested: int | None, default:
     return min(ctx.settings.max_iter_times, requested if requested is not None else default)
 
 
-Disconnected = Callable[[], Awaitable[bool]]
-DISCONNECT_POLL_SECONDS = 0.5
 CLOSE_TIMEOUT_SECONDS = 5.0
 
 
@@ -144,19 +143,18 @@ class Submission:
         self._queue = queue
         self.queued_at = time.monotonic()
         self.finish: Finish | None = None  # the last event's, once it came
-        self._failure: str | None = None  # the error type that ended the request, if one did
+        self.failure: str | None = None  # the error type that ended the request, if one did
         self._closed = False
-        self._next_disconnect_poll = 0.0  # time.monotonic() of the next look at the client
 
-    async def events(self, disconnected: Disconnected | None = None) -> AsyncIterator[TokenEvent]:
+    async def events(self) -> AsyncIterator[TokenEvent]:
         """The token events in order, each index once; the last carries ``finish``.
 
         Raises :class:`PipelineError` on a worker error, a timeout (tokenTimeout between events, e2eTimeout
-        overall), a lost Redis connection, or when ``disconnected`` reports that the client left.
+        overall) or a lost Redis connection.
         """
         next_index = 0
         while True:
-            event = await self._receive(disconnected)
+            event = await self._receive()
             if event.index < next_index:  # a re-delivered job replays from index 0
                 continue
             next_index = event.index + 1
@@ -171,14 +169,14 @@ class Submission:
         """Seconds since the job was queued."""
         return time.monotonic() - self.queued_at
 
-    async def _receive(self, disconnected: Disconnected | None) -> TokenEvent:
-        """The next token event; a failure (worker error, timeout, client gone) is noted for the metrics."""
+    async def _receive(self) -> TokenEvent:
+        """The next token event; a failure (worker error, timeout) is noted for the metrics."""
         try:
-            event = decode_event(await self._next(disconnected))
+            event = decode_event(await self._next())
             if isinstance(event, ErrorEvent):
                 raise PipelineError(event.message, event.error_type)
         except PipelineError as exc:
-            self._failure = exc.error_type
+            self.failure = exc.error_type
             raise
         return event
 
@@ -187,31 +185,19 @@ class Submission:
         """Whether an event is already here (the next one is had without waiting)."""
         return not self._queue.empty()
 
-    async def _next(self, disconnected: Disconnected | None) -> bytes:
+    async def _next(self) -> bytes:
+        if self.ready:  # no timer and no task for an event that is here (a busy pod catching up)
+            return self._queue.get_nowait()
         settings = self.ctx.settings
         wait = min(settings.token_timeout, (self.job.deadline or math.inf) - time.time())
-        deadline = time.monotonic() + wait
-        while True:
-            now = time.monotonic()
-            # Poll the client every DISCONNECT_POLL_SECONDS, whether tokens keep coming or not.
-            if disconnected is not None and now >= self._next_disconnect_poll:
-                self._next_disconnect_poll = now + DISCONNECT_POLL_SECONDS
-                if await disconnected():
-                    raise PipelineError("the client disconnected", "client_disconnected")
-            remaining = deadline - now
-            if remaining <= 0:
-                raise PipelineError(
-                    f"request timed out: no token within {wait:.3g} s (tokenTimeout {settings.token_timeout:g} s, "
-                    f"e2eTimeout {settings.e2e_timeout:g} s)",
-                    "incomplete_generation",
-                )
-            if self.ready:  # no timer and no task for an event that is here (a busy pod catching up)
-                return self._queue.get_nowait()
-            try:
-                poll = remaining if disconnected is None else min(remaining, self._next_disconnect_poll - now)
-                return await asyncio.wait_for(self._queue.get(), poll)
-            except asyncio.TimeoutError:
-                pass
+        try:
+            return await asyncio.wait_for(self._queue.get(), max(wait, 0.0))
+        except asyncio.TimeoutError:
+            raise PipelineError(
+                f"request timed out: no token within {wait:.3g} s (tokenTimeout {settings.token_timeout:g} s, "
+                f"e2eTimeout {settings.e2e_timeout:g} s)",
+                "incomplete_generation",
+            ) from None
 
     async def close(self) -> None:
         if self._closed:
@@ -234,7 +220,7 @@ class Submission:
         """The request's outcome, in the metrics and one log line (the one place every protocol's requests end)."""
         model, finish, extra = self.job.model, self.finish, {"request_id": self.request_id}
         if finish is None:
-            failure = self._failure or "cancelled"
+            failure = self.failure or "cancelled"
             self.ctx.metrics.request_failed(model, failure)
             log.info("request ended unfinished (%s) after %.3f s", failure, self.elapsed, extra=extra)
             return
@@ -321,18 +307,43 @@ async def _queue(ctx: ServerContext, request: GenerationRequest) -> Submission:
     return Submission(ctx, job, queue, request.request_id)
 
 
-async def generate(
-    ctx: ServerContext, request: GenerationRequest, disconnected: Disconnected | None = None
-) -> GenerationResult:
-    """Run the request to completion and return all its tokens (see :meth:`Submission.events`)."""
+async def generate(ctx: ServerContext, request: GenerationRequest, client: Request | None = None) -> GenerationResult:
+    """Run the request to completion and return all its tokens (see :meth:`Submission.events`).
+
+    When the HTTP ``client`` leaves first, collecting stops at once and :meth:`Submission.close` tells the
+    worker to drop the request.
+    """
     queued_at = time.monotonic()
     submission = await submit(ctx, request)
-    tokens: list[TokenInfo] = []
     try:
-        async for event in submission.events(disconnected):
-            tokens.append(event.token)
-            if event.finish is not None:
-                return GenerationResult(tokens=tokens, finish=event.finish, duration=time.monotonic() - queued_at)
+        if client is None:
+            return await _collect(submission, queued_at)
+        collecting = asyncio.ensure_future(_collect(submission, queued_at))
+        watching = asyncio.ensure_future(_until_gone(client))
+        try:
+            done, _ = await asyncio.wait((collecting, watching), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            collecting.cancel()  # no-op on the one that finished
+            watching.cancel()
+        if collecting in done:
+            return collecting.result()  # or its PipelineError
+        submission.failure = "client_disconnected"
+        raise PipelineError("the client disconnected", "client_disconnected")
     finally:
         await submission.close()
+
+
+async def _until_gone(client: Request) -> None:
+    """Return when the client closes its connection. Its body is read, so the server's ``receive`` blocks
+    until the disconnect (as Starlette's streaming responses wait for it): no polling, no delay."""
+    while (await client.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(submission: Submission, queued_at: float) -> GenerationResult:
+    tokens: list[TokenInfo] = []
+    async for event in submission.events():
+        tokens.append(event.token)
+        if event.finish is not None:
+            return GenerationResult(tokens=tokens, finish=event.finish, duration=time.monotonic() - queued_at)
     raise PipelineError("the token stream ended without a final event", "incomplete_generation")

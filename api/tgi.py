@@ -142,7 +142,7 @@ PIPELINE_STATUS = {
 async def _run(ctx: ServerContext, body: TGIRequest, request_id: str, http: Request) -> GenerationResult:
     request = await to_generation_request(ctx, body, request_id, stream=False)
     try:
-        return await generate(ctx, request, http.is_disconnected)
+        return await generate(ctx, request, http)
     except PipelineError as exc:
         raise pipeline_error(exc, PIPELINE_STATUS) from None
 

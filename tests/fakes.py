@@ -32,7 +32,7 @@ class FakeSubmission:
         """Every replayed event (and the error) is here from the start, as when a busy pod falls behind."""
         return self._taken < len(self._events) or (self._error is not None and self._taken == len(self._events))
 
-    async def events(self, disconnected=None) -> AsyncIterator[TokenEvent]:
+    async def events(self) -> AsyncIterator[TokenEvent]:
         for event in self._events:
             self._taken += 1
             yield event

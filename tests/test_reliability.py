@@ -678,7 +678,8 @@ def assert_cancelled(cluster: Cluster, request_id: str, raw: RawEvents, max_new_
     published = raw.drain()
     raw.close()
     assert published and all(isinstance(e, TokenEvent) and e.finish is None for e in published)
-    assert len(published) < max_new_tokens / 2, f"{len(published)} tokens were computed"
+    # Both routes learn of the disconnect from the server at once (no polling): a handful of steps pass.
+    assert len(published) < max_new_tokens / 8, f"{len(published)} tokens were computed"
 
 
 def test_stream_client_disconnect_cancels_the_job(cluster: Cluster) -> None:
