@@ -25,7 +25,7 @@ import time
 
 from pydantic import ValidationError
 from redis import Redis
-from redis.client import PubSub
+from redis.client import Pipeline, PubSub
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -122,16 +122,22 @@ class WorkerLoop:
         if self._running and now >= self._next_claim:
             self._next_claim = now + self.settings.claim_idle_seconds / 2
             self.claim_abandoned()
-        while self._running and self.engine.has_room():
-            # Block only when there is nothing to compute; otherwise poll and go on stepping.
-            block = IDLE_BLOCK_MS if self.engine.idle else None
-            entries = self.redis.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=1, block=block)
-            if not entries:
-                break
-            for message_id, fields in entries[0][1]:
-                self.accept(message_id, fields)
+        if self.engine.idle:  # nothing to compute: wait for a job (a running batch polls in publish)
+            self.take_jobs(IDLE_BLOCK_MS)
         if not self.engine.idle:
             self.step()
+
+    def take_jobs(self, block: int | None = None, entries: list | None = None) -> None:
+        """Accept new jobs while the engine has room: ``entries`` already read (by :meth:`publish`'s
+        poll), then one at a time from the stream, blocking up to ``block`` ms for the first."""
+        while self._running and self.engine.has_room():
+            if entries is None:
+                entries = self.redis.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=1, block=block)
+            if not entries:
+                return
+            for message_id, fields in entries[0][1]:
+                self.accept(message_id, fields)
+            entries, block = None, None
 
     def heartbeat(self, now: float) -> None:
         if now < self._next_heartbeat:
@@ -255,14 +261,21 @@ class WorkerLoop:
         self.publish(outputs)
 
     def publish(self, outputs: list[StepOutput]) -> None:
+        """One round trip per step: the step's events, then the acknowledgement of the jobs that just
+        finished (after their last event), and, when the batch has room, a look for a new job."""
         pipe = self.redis.pipeline(transaction=False)
-        finished = []
         for out in outputs:
             pipe.publish(out.job.reply_channel, out.event.model_dump_json())
-            if out.finished:
-                finished.append(out.job.request_id)
-        pipe.execute()
-        self.ack(finished)
+        finished = [self._inflight.pop(out.job.request_id)[0] for out in outputs
+                    if out.finished and out.job.request_id in self._inflight]
+        if finished:
+            self._queue_ack(pipe, finished)
+        poll = self._running and self.engine.has_room()
+        if poll:
+            pipe.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=1)
+        replies = pipe.execute()
+        if poll:
+            self.take_jobs(entries=replies[-1])
 
     def fail(self, jobs: list[Job], message: str, error_type: str) -> None:
         self.metrics.observe_errors(len(jobs))
@@ -276,12 +289,15 @@ class WorkerLoop:
         self._ack_ids([self._inflight.pop(rid)[0] for rid in request_ids if rid in self._inflight])
 
     def _ack_ids(self, message_ids: list[bytes]) -> None:
-        """Done with these entries: acknowledge and delete them (the stream's length is the queue depth)."""
         if message_ids:
             pipe = self.redis.pipeline(transaction=False)
-            pipe.xack(self.stream, self.group, *message_ids)
-            pipe.xdel(self.stream, *message_ids)
+            self._queue_ack(pipe, message_ids)
             pipe.execute()
+
+    def _queue_ack(self, pipe: Pipeline, message_ids: list[bytes]) -> None:
+        """Done with these entries: acknowledge and delete them (the stream's length is the queue depth)."""
+        pipe.xack(self.stream, self.group, *message_ids)
+        pipe.xdel(self.stream, *message_ids)
 
     def drop_all(self) -> None:
         """Forget every running request (after losing Redis: their clients have been answered)."""
