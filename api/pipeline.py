@@ -36,6 +36,7 @@ MAX_INPUT_CHARS = 4 * 1024 * 1024  # SPEC.md: a text prompt has at most 4 MiB of
 MAX_STOP_ITEMS = 1024
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOTAL_CHARS = 32768
+INLINE_TOKENIZE_CHARS = 256  # the tiny model's fast tokenizer: ~140 µs for 200 chars, 1.3 ms for 2048
 
 
 class PipelineError(Exception):
@@ -101,9 +102,12 @@ def validate_stop(value: list[str] | str | None) -> list[str]:
 
 
 async def tokenize(ctx: ServerContext, text: str, add_special_tokens: bool = True) -> list[int]:
-    """The prompt's token ids, computed off the event loop (a long prompt takes a while). Text rendered by a
-    chat template already holds the special tokens it needs (BOS too): it takes ``add_special_tokens=False``."""
+    """The prompt's token ids. A long prompt is tokenized off the event loop (it takes a while); a short one
+    on it, since handing it to a thread costs more than the tokenizing. Text rendered by a chat template
+    already holds the special tokens it needs (BOS too): it takes ``add_special_tokens=False``."""
     encode = partial(ctx.model.tokenizer, text, add_special_tokens=add_special_tokens)
+    if len(text) <= INLINE_TOKENIZE_CHARS:
+        return encode()["input_ids"]
     return (await anyio.to_thread.run_sync(encode))["input_ids"]
 
 
@@ -190,9 +194,10 @@ class Submission:
             return self._queue.get_nowait()
         settings = self.ctx.settings
         wait = min(settings.token_timeout, (self.job.deadline or math.inf) - time.time())
-        try:
-            return await asyncio.wait_for(self._queue.get(), max(wait, 0.0))
-        except asyncio.TimeoutError:
+        try:  # asyncio.timeout, not wait_for: no task per token, only a timer
+            async with asyncio.timeout(None if math.isinf(wait) else max(wait, 0.0)):
+                return await self._queue.get()
+        except TimeoutError:
             raise PipelineError(
                 f"request timed out: no token within {wait:.3g} s (tokenTimeout {settings.token_timeout:g} s, "
                 f"e2eTimeout {settings.e2e_timeout:g} s)",
