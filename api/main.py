@@ -10,6 +10,7 @@ import uvicorn
 
 from api.app import create_app
 from common.logs import configure_logging
+from common.process import freeze_startup_heap
 from common.settings import Settings, settings_or_exit
 
 
@@ -27,8 +28,10 @@ def tls_options(settings: Settings) -> dict[str, Any]:
 def serve(settings: Settings) -> None:
     """Serve the API app in the foreground until SIGINT/SIGTERM, then drain gracefully."""
     configure_logging(settings.log_format, settings.log_level)
+    app = create_app(settings)
+    freeze_startup_heap()
     uvicorn.run(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         log_config=None,  # uvicorn's records go through configure_logging's handler (LOG_FORMAT)

@@ -58,6 +58,7 @@ from bench_engine import make_prompts  # noqa: E402
 from loadgen import COLLECT_ROUTE, STREAM_ROUTE, RequestRecord, run_level, summarize, tgi_body  # noqa: E402
 
 from api.embedded import embedded_redis  # noqa: E402
+from common.process import freeze_startup_heap  # noqa: E402
 from common.protocol import ErrorEvent, Job, SamplingParams  # noqa: E402
 from common.settings import Settings, default_model_dir  # noqa: E402
 from tests.conftest import Stack, free_port, stop_stack, wait_healthy  # noqa: E402
@@ -260,6 +261,7 @@ def run_load(args: argparse.Namespace, redis_url: str, model: Path, workload: Wo
     """Sections 1 and 2: every level served (stream, then non-stream) then in-process, level by level."""
     torch.set_num_threads(1)
     engine = Engine.load(Settings(model_path=model))
+    freeze_startup_heap()  # as a worker does after loading its model
     in_process(engine, Workload([], workload.prompt_ids[:8], workload.prompt_tokens, 8), 4, 60)  # warm-up
     results: dict[str, list[dict[str, Any]]] = {"stream": [], "non_stream": [], "in_process": []}
     with deploy(redis_url, model, log_dir / "load") as deployment:

@@ -32,6 +32,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common import keys
 from common.logs import configure_logging
+from common.process import freeze_startup_heap
 from common.protocol import Control, ErrorEvent, Job, WorkerStatus
 from common.settings import Settings, settings_or_exit
 from worker.engine import Engine, StepOutput
@@ -316,6 +317,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = settings_or_exit("ferry-worker", **{k: v for k, v in vars(args).items() if v is not None})
     configure_logging(settings.log_format, settings.log_level)
     engine = Engine.load(settings)
+    freeze_startup_heap()
     loop = WorkerLoop(settings, Redis.from_url(settings.redis_url), engine)
     if settings.worker_metrics_port:
         loop.metrics.serve(settings.worker_metrics_port)
