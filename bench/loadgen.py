@@ -45,6 +45,10 @@ def summarize(records: list[RequestRecord], wall: float) -> dict[str, Any]:
     ok = [r for r in records if r.error is None]
     ttft = [(r.token_times[0] - r.start) * 1000 for r in ok if r.token_times]
     itl = [gap * 1000 for r in ok for gap in np.diff(r.token_times)]
+    # Steady state: only gaps that start once every stream of the level has its first token (for a level
+    # whose streams all open at once, this leaves out the burst of opening them).
+    all_open = max((r.token_times[0] for r in ok if r.token_times), default=0.0)
+    steady_itl = [(b - a) * 1000 for r in ok for a, b in zip(r.token_times, r.token_times[1:]) if a >= all_open]
     e2e = [(r.end - r.start) * 1000 for r in ok]
     lags = [lag * 1000 for r in ok for lag in r.relay_lags]
     errors = [r.error for r in records if r.error is not None]
@@ -56,7 +60,7 @@ def summarize(records: list[RequestRecord], wall: float) -> dict[str, Any]:
         "requests_per_s": len(ok) / wall,
         "tokens_per_s": sum(r.tokens for r in ok) / wall,
     }
-    for name, values in (("ttft", ttft), ("itl", itl), ("e2e", e2e), ("relay_lag", lags)):
+    for name, values in (("ttft", ttft), ("itl", itl), ("steady_itl", steady_itl), ("e2e", e2e), ("relay_lag", lags)):
         stats[f"{name}_p50_ms"] = percentile(values, 50)
         stats[f"{name}_p99_ms"] = percentile(values, 99)
     return stats

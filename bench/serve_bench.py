@@ -370,9 +370,11 @@ def targets(report: dict[str, Any]) -> list[str]:
         held = [row["streams"] for row in report["fanout"]
                 if not row["errors"] and row["itl_p99_ms"] is not None and row["itl_p99_ms"] < ITL_TARGET_MS]
         top = max(held, default=0)
+        steady = max((row["streams"] for row in report["fanout"] if not row["errors"]
+                      and row["steady_itl_p99_ms"] is not None and row["steady_itl_p99_ms"] < ITL_TARGET_MS), default=0)
         lines.append(f"- one API pod on one core holds 1000 streams with p99 inter-token latency < {ITL_TARGET_MS:g} ms: "
-                     f"**held {top} streams** (largest level measured: {report['fanout'][-1]['streams']}), "
-                     f"{'met' if top >= 1000 else 'NOT met'}")
+                     f"**held {top} streams** (largest level measured: {report['fanout'][-1]['streams']}; "
+                     f"{steady} once all streams are open), {'met' if top >= 1000 else 'NOT met'}")
     return lines
 
 
@@ -412,14 +414,16 @@ def markdown(report: dict[str, Any]) -> str:
                   "run on the other cores. Relay lag: from the fake worker's `time.time()` at emission (the token's "
                   "text) to the client's arrival. API CPU µs per token: the pod's CPU time over the tokens it "
                   "relayed (request handling included). API waiting for a core: time its event loop was runnable "
-                  "but not running (/proc schedstat).", "",
+                  "but not running (/proc schedstat). Steady ITL: only the gaps after every stream of the level "
+                  "has its first token (all streams open at once; this leaves out the burst of opening them).", "",
                   *_table(["streams", "errors", "tokens/s relayed", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99",
-                           "relay lag p50", "relay lag p99", "API CPU % of a core", "API CPU µs per token",
+                           "steady ITL p50", "steady ITL p99", "relay lag p50", "relay lag p99", "API CPU % of a core", "API CPU µs per token",
                            "API waiting for a core %",
                            "API peak RSS MiB",
                            "fake worker CPU %", "client CPU %"],
                           [[row["streams"], row["errors"], f"{row['tokens_per_s']:.0f}",
-                            *_latency_cells(row, ("ttft", "itl", "relay_lag")), f"{row['api_cpu_percent']:.0f}",
+                            *_latency_cells(row, ("ttft", "itl", "steady_itl", "relay_lag")),
+                            f"{row['api_cpu_percent']:.0f}",
                             f"{row['api_cpu_us_per_token']:.0f}", f"{row['api_runqueue_wait_percent']:.0f}",
                             f"{row['api_peak_rss_mib']:.0f}", f"{row['worker_cpu_percent']:.0f}",
                             f"{row['client_cpu_percent']:.0f}"]
@@ -475,7 +479,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--fanout-streams", type=int, nargs="+", default=[100, 250, 500, 1000])
-    parser.add_argument("--fanout-tokens", type=int, default=100, help="tokens per fan-out stream")
+    parser.add_argument("--fanout-tokens", type=int, default=200, help="tokens per fan-out stream")
     parser.add_argument("--fanout-interval-ms", type=float, default=25.0, help="fake source: ms between tokens")
     parser.add_argument("--scaleout-concurrency", type=int, default=64)
     parser.add_argument("--redis-url", help="use this Redis (default: start a redis-server on a free port)")
