@@ -190,16 +190,18 @@ class Submission:
         return not self._queue.empty()
 
     async def _next(self) -> bytes:
-        if self.ready:  # no timer and no task for an event that is here (a busy pod catching up)
-            return self._queue.get_nowait()
         settings = self.ctx.settings
         wait = min(settings.token_timeout, (self.job.deadline or math.inf) - time.time())
-        try:  # asyncio.timeout, not wait_for: no task per token, only a timer
-            async with asyncio.timeout(None if math.isinf(wait) else max(wait, 0.0)):
+        try:
+            if wait <= 0:  # past the deadline: even an event that is here comes too late
+                raise TimeoutError
+            if self.ready:  # no timer for an event that is here (a busy pod catching up)
+                return self._queue.get_nowait()
+            async with asyncio.timeout(None if math.isinf(wait) else wait):  # not wait_for: no task per token
                 return await self._queue.get()
         except TimeoutError:
             raise PipelineError(
-                f"request timed out: no token within {wait:.3g} s (tokenTimeout {settings.token_timeout:g} s, "
+                f"request timed out: no token within {max(wait, 0):.3g} s (tokenTimeout {settings.token_timeout:g} s, "
                 f"e2eTimeout {settings.e2e_timeout:g} s)",
                 "incomplete_generation",
             ) from None

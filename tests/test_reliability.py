@@ -34,7 +34,7 @@ import redis
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from api.pipeline import Submission
+from api.pipeline import PipelineError, Submission
 from common import keys
 from common.protocol import Control, ErrorEvent, Finish, Job, SamplingParams, TokenEvent, TokenInfo, decode_event
 from common.settings import Settings
@@ -282,6 +282,26 @@ async def test_replayed_events_are_delivered_once(tiny_model_path: Path) -> None
         queue.put_nowait(event.model_dump_json().encode())
     events = [event async for event in Submission(ctx, job, queue).events()]
     assert [e.index for e in events] == [0, 1, 2] and events[-1].finish == finish
+
+
+async def test_events_that_arrive_after_the_deadline_are_not_relayed(tiny_model_path: Path) -> None:
+    """Past its e2eTimeout deadline a request fails even while events keep coming in (a busy pod that is
+    behind always has one queued), instead of running on to the end."""
+    ctx = type("Ctx", (), {"settings": Settings(model_path=tiny_model_path)})()
+    job = Job(request_id="r", model="m", reply_channel="c", input_ids=[1], enqueued_at=time.time() - 2,
+              params=SamplingParams(seed=1, max_new_tokens=3), deadline=time.time() - 1)
+    queue: asyncio.Queue[bytes] = asyncio.Queue()
+    finish = Finish(finish_reason="length", generated_tokens=3, prompt_tokens=1, seed=1, generated_text="aaa")
+    for index in range(3):  # the whole output is already here
+        token = TokenInfo(id=5, text="a", logprob=-1.0, special=False)
+        queue.put_nowait(TokenEvent(index=index, token=token, finish=finish if index == 2 else None)
+                         .model_dump_json().encode())
+    relayed = []
+    with pytest.raises(PipelineError) as caught:
+        async for event in Submission(ctx, job, queue).events():
+            relayed.append(event)
+    assert caught.value.error_type == "incomplete_generation" and "e2eTimeout" in caught.value.message
+    assert relayed == []
 
 
 def test_each_submission_of_a_request_id_is_a_job_of_its_own(tiny_model_path: Path) -> None:
@@ -806,7 +826,7 @@ def test_e2e_timeout_mid_stream_and_the_worker_drops_the_request(cluster: Cluste
     url = cluster.pod("strict")
     raw = RawEvents(cluster.redis, "e2e-1")
     started = time.monotonic()
-    events = SSE(f"{url}/generate_stream", body(500), "e2e-1").rest()
+    events = SSE(f"{url}/generate_stream", body(1500), "e2e-1").rest()  # several seconds of work
     elapsed = time.monotonic() - started
     assert 1.4 < elapsed < 6, elapsed
     assert events[-1]["error_type"] == "incomplete_generation" and "e2eTimeout" in events[-1]["error"]
