@@ -146,6 +146,7 @@ class Submission:
         self.request_id = request_id or job.request_id
         self._queue = queue
         self.queued_at = time.monotonic()
+        self._expires_at = job.local_deadline()
         self.finish: Finish | None = None  # the last event's, once it came
         self.failure: str | None = None  # the error type that ended the request, if one did
         self._closed = False
@@ -191,7 +192,7 @@ class Submission:
 
     async def _next(self) -> bytes:
         settings = self.ctx.settings
-        wait = min(settings.token_timeout, (self.job.deadline or math.inf) - time.time())
+        wait = min(settings.token_timeout, self._expires_at - time.monotonic())
         try:
             if wait <= 0:  # past the deadline: even an event that is here comes too late
                 raise TimeoutError

@@ -9,6 +9,8 @@ their own request/response shapes onto these models and nothing else.
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, Field, TypeAdapter
@@ -41,6 +43,14 @@ class Job(BaseModel):
     decoder_input_details: bool = Field(False, description="return log-probs of the prompt tokens")
     enqueued_at: float = Field(description="unix time the API queued the job")
     deadline: float | None = Field(None, description="unix time after which nobody waits for the result")
+
+    def local_deadline(self) -> float:
+        """The deadline on this process's monotonic clock (``math.inf`` when none).
+
+        The wall clock is read once, where the job crosses into a process; timing against the monotonic
+        clock after that keeps a wall-clock step (NTP, a VM resumed) from expiring a request early or late.
+        """
+        return math.inf if self.deadline is None else time.monotonic() + (self.deadline - time.time())
 
 
 class TokenInfo(BaseModel):

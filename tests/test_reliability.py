@@ -265,6 +265,20 @@ def test_running_job_is_dropped_at_its_deadline(base_engine: Engine) -> None:
     assert loop.redis.xlen(loop.stream) == 1
 
 
+
+def test_a_wall_clock_step_does_not_expire_a_running_job(base_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker reads the wall clock once, when it accepts a job; an NTP step or a resumed VM after that
+    moves no deadline (a CI run once saw a request time out before its e2eTimeout)."""
+    server = fakeredis.FakeServer()
+    loop = make_loop(base_engine, server, "cpu:host:1")
+    queue_job(loop.redis, "steady", max_new_tokens=60, deadline=time.time() + 30)
+    run_until(loop, lambda: loop.engine.batch_size == 1)
+    wall = time.time
+    monkeypatch.setattr(time, "time", lambda: wall() + 60)  # the clock jumps past the deadline
+    loop.run_once()
+    assert set(loop._inflight) == {"steady"} and loop.engine.batch_size == 1
+
+
 # ============================================================================ API: exactly-once token delivery
 
 
@@ -302,6 +316,23 @@ async def test_events_that_arrive_after_the_deadline_are_not_relayed(tiny_model_
             relayed.append(event)
     assert caught.value.error_type == "incomplete_generation" and "e2eTimeout" in caught.value.message
     assert relayed == []
+
+
+
+async def test_a_wall_clock_step_does_not_expire_a_submission(tiny_model_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The API times e2eTimeout on its monotonic clock from the moment it queued the job."""
+    ctx = type("Ctx", (), {"settings": Settings(model_path=tiny_model_path)})()
+    job = Job(request_id="r", model="m", reply_channel="c", input_ids=[1], enqueued_at=time.time(),
+              params=SamplingParams(seed=1, max_new_tokens=1), deadline=time.time() + 30)
+    queue: asyncio.Queue[bytes] = asyncio.Queue()
+    submission = Submission(ctx, job, queue)
+    wall = time.time
+    monkeypatch.setattr(time, "time", lambda: wall() + 60)
+    finish = Finish(finish_reason="length", generated_tokens=1, prompt_tokens=1, seed=1, generated_text="a")
+    token = TokenInfo(id=5, text="a", logprob=-1.0, special=False)
+    queue.put_nowait(TokenEvent(index=0, token=token, finish=finish).model_dump_json().encode())
+    assert [event.index async for event in submission.events()] == [0]
 
 
 def test_each_submission_of_a_request_id_is_a_job_of_its_own(tiny_model_path: Path) -> None:

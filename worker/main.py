@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import time
+from typing import NamedTuple
 
 from pydantic import ValidationError
 from redis import Redis
@@ -46,6 +47,14 @@ RECONNECT_FIRST_DELAY = 0.1
 RECONNECT_MAX_DELAY = 5.0
 
 
+class Running(NamedTuple):
+    """A job this worker has accepted and not yet acknowledged."""
+
+    message_id: bytes  # its entry in the job stream
+    job: Job
+    expires_at: float  # its deadline on this process's monotonic clock (Job.local_deadline)
+
+
 class WorkerLoop:
     """Moves jobs between Redis and the engine. All state of the worker lives here."""
 
@@ -58,7 +67,7 @@ class WorkerLoop:
         self.stream = keys.job_stream(self.model)
         self.group = keys.worker_group(self.model)
         self.consumer = keys.consumer_name(settings.worker_pool, socket.gethostname(), os.getpid())
-        self._inflight: dict[str, tuple[bytes, Job]] = {}  # request id -> (stream entry id, job)
+        self._inflight: dict[str, Running] = {}  # by request id
         self._control: PubSub | None = None
         self._running = True
         # Heartbeats also keep this worker's pending jobs fresh: well within the idle time that lets
@@ -119,7 +128,7 @@ class WorkerLoop:
         now = time.time()
         self.heartbeat(now)
         self.apply_controls()
-        self.expire(now)
+        self.expire()
         if self._running and now >= self._next_claim:
             self._next_claim = now + self.settings.claim_idle_seconds / 2
             self.claim_abandoned()
@@ -150,7 +159,7 @@ class WorkerLoop:
         pipe.set(keys.worker_status(self.model, self.consumer), self.status().model_dump_json(),
                  px=int(HEARTBEAT_TTL_SECONDS * 1000))
         if self._inflight:  # reset the idle time of our pending jobs: they are alive, not abandoned
-            ids = [message_id for message_id, _ in self._inflight.values()]
+            ids = [running.message_id for running in self._inflight.values()]
             pipe.xclaim(self.stream, self.group, self.consumer, 0, ids, justid=True)
         pipe.execute()
         self._next_heartbeat = now + self._heartbeat_every
@@ -187,9 +196,10 @@ class WorkerLoop:
             self.engine.cancel(control.request_id)
             self.ack([control.request_id])
 
-    def expire(self, now: float) -> None:
+    def expire(self) -> None:
         """Drop running requests whose deadline passed: their clients have been answered already."""
-        expired = [job for _, job in self._inflight.values() if job.deadline is not None and job.deadline < now]
+        now = time.monotonic()
+        expired = [running.job for running in self._inflight.values() if running.expires_at < now]
         for job in expired:
             self.engine.cancel(job.request_id)
         if expired:
@@ -227,7 +237,8 @@ class WorkerLoop:
             return
         if job.request_id in self._inflight:  # re-claimed while still running here
             return
-        if job.deadline is not None and job.deadline < time.time():
+        expires_at = job.local_deadline()
+        if expires_at < time.monotonic():
             self.fail([job], "request timed out (e2eTimeout) before a worker could start it", "incomplete_generation")
             self._ack_ids([message_id])
             return
@@ -241,7 +252,7 @@ class WorkerLoop:
         if control is not None and control.action == "cancel":
             self._ack_ids([message_id])
             return
-        self._inflight[job.request_id] = (message_id, job)
+        self._inflight[job.request_id] = Running(message_id, job, expires_at)
         self.engine.add(job)
         if control is not None:
             self.apply_control(control)
@@ -252,7 +263,7 @@ class WorkerLoop:
             outputs = self.engine.step()
         except Exception as exc:  # a model-level failure: fail the batch's jobs, keep serving
             log.exception("engine step failed")
-            jobs = [job for _, job in self._inflight.values()]
+            jobs = [running.job for running in self._inflight.values()]
             for job in jobs:
                 self.engine.cancel(job.request_id)
             self.fail(jobs, f"generation failed: {exc}", "generation")
@@ -267,7 +278,7 @@ class WorkerLoop:
         pipe = self.redis.pipeline(transaction=False)
         for out in outputs:
             pipe.publish(out.job.reply_channel, out.event.model_dump_json())
-        finished = [self._inflight.pop(out.job.request_id)[0] for out in outputs
+        finished = [self._inflight.pop(out.job.request_id).message_id for out in outputs
                     if out.finished and out.job.request_id in self._inflight]
         if finished:
             self._queue_ack(pipe, finished)
@@ -287,7 +298,7 @@ class WorkerLoop:
         pipe.execute()
 
     def ack(self, request_ids: list[str]) -> None:
-        self._ack_ids([self._inflight.pop(rid)[0] for rid in request_ids if rid in self._inflight])
+        self._ack_ids([self._inflight.pop(rid).message_id for rid in request_ids if rid in self._inflight])
 
     def _ack_ids(self, message_ids: list[bytes]) -> None:
         if message_ids:
