@@ -476,7 +476,7 @@ class RedisServer:
 class Cluster:
     """A stack (workers and the main API pod) of one model plus extra API pods, over a private Redis.
 
-    ``main``: the stack's pod (maxQueueSize 8, shutdownGraceSeconds 10). ``strict``: the same model with
+    ``main``: the stack's pod (maxQueueSize 8, shutdownGraceSeconds 10, maxIterTimes 2000). ``strict``: the same model with
     e2eTimeout 1.5 s. ``idle``: a model no worker serves, with tokenTimeout 3 s, maxLinkNum 3,
     maxQueueSize 4. Tests that kill or stop processes put back what the next test needs.
     """
@@ -486,8 +486,10 @@ class Cluster:
     def __init__(self, server: RedisServer, model_path: Path, log_dir: Path) -> None:
         self.server = server
         self.log_dir = log_dir
+        # maxIterTimes above the default 512, so that requests meant to outlast a deadline or a disconnect
+        # are not cut short by it.
         env = {"CLAIM_IDLE_SECONDS": "2", "MAX_QUEUE_SIZE": "8", "SHUTDOWN_GRACE_SECONDS": "10",
-               "OMP_NUM_THREADS": "1"}
+               "MAX_ITER_TIMES": "2000", "OMP_NUM_THREADS": "1"}
         self.stack: Stack = start_stack(server.url, model_path, log_dir, env, workers=2)
         self.main = self.stack.processes[-1]
         self.main_url = self.stack.base_url
@@ -729,23 +731,24 @@ def assert_cancelled(cluster: Cluster, request_id: str, raw: RawEvents, max_new_
     published = raw.drain()
     raw.close()
     assert published and all(isinstance(e, TokenEvent) and e.finish is None for e in published)
-    # Both routes learn of the disconnect from the server at once (no polling): a handful of steps pass.
-    assert len(published) < max_new_tokens / 8, f"{len(published)} tokens were computed"
+    # Both routes learn of the disconnect from the server at once (no polling): a handful of steps pass
+    # (about 5 when the machine is quiet; the bound leaves room for a loaded CI machine).
+    assert len(published) < max_new_tokens / 6, f"{len(published)} tokens were computed"
 
 
 def test_stream_client_disconnect_cancels_the_job(cluster: Cluster) -> None:
     cluster.ensure_workers(1)
     raw = RawEvents(cluster.redis, "gone-stream")
-    stream = SSE(f"{cluster.main_url}/generate_stream", body(400), "gone-stream")
+    stream = SSE(f"{cluster.main_url}/generate_stream", body(1000), "gone-stream")
     stream.read(3)
     stream.close()
-    assert_cancelled(cluster, "gone-stream", raw, 400)
+    assert_cancelled(cluster, "gone-stream", raw, 1000)
 
 
 def test_non_stream_client_disconnect_cancels_the_job(cluster: Cluster) -> None:
     cluster.ensure_workers(1)
     raw = RawEvents(cluster.redis, "gone-plain")
-    payload = json.dumps(body(400)).encode()
+    payload = json.dumps(body(1000)).encode()
     port = int(cluster.main_url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.sendall(
@@ -753,7 +756,7 @@ def test_non_stream_client_disconnect_cancels_the_job(cluster: Cluster) -> None:
             + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload
         )
         raw.wait(3)
-    assert_cancelled(cluster, "gone-plain", raw, 400)
+    assert_cancelled(cluster, "gone-plain", raw, 1000)
 
 
 def test_request_id_is_unique_while_in_flight_and_reusable_after(cluster: Cluster) -> None:
