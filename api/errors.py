@@ -50,8 +50,9 @@ def _field(error: Any) -> str:
     return ".".join(str(p) for p in error.get("loc", ()) if str(p) not in _NOT_FIELDS and "[" not in str(p))
 
 
-def describe_validation_errors(errors: Sequence[Any]) -> str:
-    """One readable sentence for the first validation error, naming the offending field."""
+def describe_validation_errors(errors: Sequence[Any], body_sent: bool = False) -> str:
+    """One readable sentence for the first validation error, naming the offending field. ``body_sent``: the
+    request had a body (FastAPI reports a JSON ``null`` body as missing, like no body at all)."""
     error = errors[0]
     field = _field(error)
     if error.get("type") == "value_error":
@@ -59,13 +60,15 @@ def describe_validation_errors(errors: Sequence[Any]) -> str:
     if error.get("type") == "json_invalid":
         return f"the body is not valid JSON: {error.get('ctx', {}).get('error', error['msg'])}"
     if error.get("type") == "missing" and not field:
-        return "the request body is required"
+        return "Input should be a valid dictionary" if body_sent else "the request body is required"
     return f"`{field}`: {error['msg']}" if field else error["msg"]
 
 
-def validation_error(exc: ValidationError | RequestValidationError, status: int = 422) -> ProtocolError:
+def validation_error(
+    exc: ValidationError | RequestValidationError, status: int = 422, body_sent: bool = False
+) -> ProtocolError:
     errors = exc.errors()
-    message = VALIDATION_PREFIX + describe_validation_errors(errors)
+    message = VALIDATION_PREFIX + describe_validation_errors(errors, body_sent)
     return ProtocolError(status, message, "validation", _field(errors[0]) or None)
 
 
@@ -148,7 +151,8 @@ def error_route_class(
                 try:
                     return await handler(request)
                 except RequestValidationError as exc:
-                    return render(validation_error(exc, validation_status))
+                    body_sent = bool((await request.body()).strip())
+                    return render(validation_error(exc, validation_status, body_sent))
                 except HTTPException as exc:  # FastAPI could not read the body (bad UTF-8, JSON too deep)
                     if exc.status_code == 413:
                         return render(ProtocolError(413, exc.detail, "validation"))
