@@ -25,7 +25,7 @@ class SamplingParams(BaseModel):
     temperature: float = Field(1.0, gt=0.0)
     top_k: int = Field(0, ge=0, description="0 = off")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="1.0 = off")
-    typical_p: float = Field(1.0, gt=0.0, le=1.0, description="accepted, not applied")
+    typical_p: float = Field(1.0, gt=0.0, le=1.0, description="1.0 = off")
     repetition_penalty: float = Field(1.0, gt=0.0, description="1.0 = off")
     seed: int = Field(..., ge=0, lt=2**64)
     max_new_tokens: int = Field(..., gt=0)

@@ -67,3 +67,23 @@ def test_repetition_penalty_applies_to_seen_tokens_only() -> None:
 def test_same_seed_same_draws() -> None:
     a, b = sampler(1, do_sample=True), sampler(1, do_sample=True)
     assert [a(LOGITS)[0].item() for _ in range(20)] == [b(LOGITS)[0].item() for _ in range(20)]
+
+
+@pytest.mark.parametrize("mass", [0.2, 0.5, 0.9, 0.99])
+def test_typical_p_keeps_what_transformers_typical_warper_keeps(mass: float) -> None:
+    """On random logits, typical-p masks exactly the tokens transformers' TypicalLogitsWarper masks; a row
+    with typical_p 1.0 in the same batch is left alone."""
+    from transformers.generation.logits_process import TypicalLogitsWarper
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(int(mass * 100))) * 3
+    rows = [SamplingParams(seed=0, max_new_tokens=1, do_sample=True, typical_p=p) for p in (mass, mass, 1.0, mass)]
+    warped = BatchSampler._typical(logits, torch.tensor([row.typical_p for row in rows]))
+    expected = TypicalLogitsWarper(mass)(torch.zeros(1, 1, dtype=torch.long), logits.clone())
+    for row in (0, 1, 3):
+        assert torch.equal(torch.isinf(warped[row]), torch.isinf(expected[row]))
+    assert torch.equal(warped[2], logits[2])
+
+
+def test_typical_p_draws_only_typical_tokens() -> None:
+    # entropy of (0.4, 0.3, 0.2, 0.1) is 1.28 nats; surprisals 0.92, 1.20, 1.61, 2.30: token 1 is the most typical
+    assert draws(do_sample=True, typical_p=0.25)[0] == {1}

@@ -32,11 +32,13 @@ class BatchSampler:
         self.temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
         self.top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
         self.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        self.typical_p = torch.tensor([p.typical_p for p in params], dtype=torch.float32, device=device)
         self.penalty = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device)
         self.sample_rows = [i for i, p in enumerate(params) if p.do_sample]
         sampled = [params[i] for i in self.sample_rows]
         self.any_penalty = any(p.repetition_penalty != 1.0 for p in params)
         self.any_truncation = any(p.top_k > 0 or p.top_p < 1.0 for p in sampled)
+        self.any_typical = any(p.typical_p < 1.0 for p in sampled)
 
     @classmethod
     def create(
@@ -92,10 +94,13 @@ class BatchSampler:
         return torch.where(self.presence, penalized, logits)
 
     def _sample(self, logits: torch.Tensor, rows: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Temperature, then top-k, then top-p (Hugging Face's warper order) and one draw per row."""
+        """Temperature, then top-k, then top-p, then typical-p (Hugging Face's warper order) and one draw per
+        row."""
         logits = logits / self.temperature[rows][:, None]
         if self.any_truncation:
             logits = self._truncate(logits, self.top_k[rows], self.top_p[rows])
+        if self.any_typical:
+            logits = self._typical(logits, self.typical_p[rows])
         logprobs = logits.log_softmax(dim=-1)
         cdf = logprobs.exp().cumsum(dim=-1)
         total = cdf[:, -1:]
@@ -118,6 +123,21 @@ class BatchSampler:
         kept = torch.isfinite(ranked).sum(dim=-1, keepdim=True).clamp(min=1)
         cutoff = ranked.gather(1, kept - 1)
         return logits.masked_fill(logits < cutoff, float("-inf"))
+
+    @staticmethod
+    def _typical(logits: torch.Tensor, typical_p: torch.Tensor) -> torch.Tensor:
+        """Locally typical sampling (Meister et al.; Hugging Face's ``TypicalLogitsWarper``): keep the tokens
+        whose surprisal is closest to the distribution's entropy until their mass reaches p (at least one);
+        rows with p = 1.0 are untouched."""
+        logprobs = logits.log_softmax(dim=-1)
+        entropy = -(logprobs * logprobs.exp()).nansum(dim=-1, keepdim=True)
+        distance, order = (-logprobs - entropy).abs().sort(dim=-1)
+        mass = logits.gather(1, order).softmax(dim=-1).cumsum(dim=-1)
+        last = (mass < typical_p[:, None]).sum(dim=1, keepdim=True).clamp(max=logits.shape[-1] - 1)
+        drop_sorted = distance > distance.gather(1, last)
+        drop_sorted[:, 0] = False
+        drop = drop_sorted.scatter(1, order, drop_sorted) & (typical_p < 1.0)[:, None]
+        return logits.masked_fill(drop, float("-inf"))
 
     @staticmethod
     def _top_k(sorted_logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
