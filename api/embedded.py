@@ -22,12 +22,13 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import get_args
 
 import redis
 
 from api.main import serve
 from common.logs import configure_logging
-from common.settings import settings_or_exit
+from common.settings import EngineName, settings_or_exit
 from worker.tiny_model import ensure_tiny_model
 
 log = logging.getLogger("ferry.server")
@@ -117,10 +118,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", help="overrides HOST")
     parser.add_argument("--port", type=int, help="overrides PORT")
     parser.add_argument("--workers", type=int, default=1, help="worker processes to start per model")
+    parser.add_argument("--engine", choices=get_args(EngineName),
+                        help="the workers' engine; overrides ENGINE (default transformers; README \"Engines\")")
     args = parser.parse_args(argv)
 
-    overrides = {k: v for k, v in {"model_path": args.model_path, "host": args.host, "port": args.port}.items()
-                 if v is not None}
+    overrides = {k: v for k, v in {"model_path": args.model_path, "host": args.host, "port": args.port,
+                                   "engine": args.engine}.items() if v is not None}
     settings = settings_or_exit("ferry-server", **overrides)
     configure_logging(settings.log_format, settings.log_level)
     if settings.model_path is None:
@@ -129,7 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     redis_cm = contextlib.nullcontext(args.redis_url) if args.redis_url else embedded_redis(args.embedded_redis)
     with redis_cm as redis_url:
         settings = settings.model_copy(update={"redis_url": redis_url})
-        envs = [{**os.environ, "REDIS_URL": redis_url, "MODEL_PATH": str(entry.path), "MODEL_NAME": entry.name}
+        envs = [{**os.environ, "REDIS_URL": redis_url, "MODEL_PATH": str(entry.path), "MODEL_NAME": entry.name,
+                 "ENGINE": settings.engine}
                 for entry in settings.served_models for _ in range(args.workers)]
         with worker_processes(envs):
             serve(settings)

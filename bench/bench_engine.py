@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.protocol import Job, SamplingParams  # noqa: E402
 from common.settings import Settings  # noqa: E402
 from worker.attention import use_padded_attention  # noqa: E402
-from worker.engine import Engine  # noqa: E402
+from worker.transformers_engine import TransformersEngine  # noqa: E402
 from worker.tiny_model import make_tiny_model  # noqa: E402
 
 
@@ -55,7 +55,7 @@ def run_engine(
     settings = Settings(
         model_path=Path("unused"), max_batch_size=concurrency, max_prefill_batch_size=prefill_batch
     )
-    engine = Engine(model, tokenizer, settings)
+    engine = TransformersEngine(model, tokenizer, settings)
     for i, prompt in enumerate(prompts):
         params = SamplingParams(seed=i, max_new_tokens=new_tokens)
         engine.add(Job(request_id=str(i), model="bench", reply_channel="-", input_ids=prompt, params=params,

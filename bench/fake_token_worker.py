@@ -1,7 +1,7 @@
 """A BENCHMARK TOOL, never a way to serve: a worker that emits tokens without a model.
 
 It runs the real :class:`worker.main.WorkerLoop` (XREADGROUP, PUBLISH, XACK, heartbeats, controls) with
-:class:`FakeTokenEngine` in place of :class:`worker.engine.Engine`, so the API pods and Redis see exactly
+:class:`FakeTokenEngine` in place of a model engine, so the API pods and Redis see exactly
 the traffic of a real worker while the token source costs almost nothing. bench/serve_bench.py uses it
 to measure how many concurrent SSE streams one API pod can relay.
 
@@ -32,10 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.protocol import Finish, Job, TokenEvent, TokenInfo  # noqa: E402
 from common.settings import Settings  # noqa: E402
-from worker.engine import StepOutput  # noqa: E402
+from worker.engine import Engine, StepOutput  # noqa: E402
 from worker.main import WorkerLoop  # noqa: E402
 
 FAKE_TOKEN_ID = 42
+
+DEFAULT_INTERVAL_MS = 25.0
 
 
 @dataclass
@@ -48,19 +50,21 @@ class _Stream:
     stopping: bool = False
 
 
-class FakeTokenEngine:
-    """The :class:`worker.engine.Engine` interface without a model: one token per request per interval.
+class FakeTokenEngine(Engine):
+    """The :class:`worker.engine.Engine` contract without a model: one token per request per interval.
 
     Capacity is ``settings.max_batch_size`` requests; there is no KV budget, so ``reserved_tokens`` is 0.
     """
+
+    max_total_tokens = 2**31
 
     def __init__(self, settings: Settings, interval: float) -> None:
         self.settings = settings
         self.interval = interval
         self._streams: dict[str, _Stream] = {}
 
-    def fits(self, job: Job) -> bool:
-        return True
+    def refusal(self, job: Job) -> str | None:
+        return None
 
     def has_room(self) -> bool:
         return len(self._streams) < self.settings.max_batch_size
@@ -94,6 +98,14 @@ class FakeTokenEngine:
     @property
     def reserved_tokens(self) -> int:
         return 0
+
+    @property
+    def kv_budget_tokens(self) -> int:
+        return self.settings.max_batch_total_tokens
+
+    @classmethod
+    def load(cls, settings: Settings) -> "FakeTokenEngine":
+        return cls(settings, DEFAULT_INTERVAL_MS / 1000)
 
     def step(self) -> list[StepOutput]:
         """Sleep until the next token is due (at most one interval, so the loop still reads new jobs and
@@ -132,7 +144,7 @@ class FakeTokenEngine:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--interval-ms", type=float, default=25.0, help="time between two tokens of one request")
+    parser.add_argument("--interval-ms", type=float, default=DEFAULT_INTERVAL_MS, help="time between two tokens of one request")
     args = parser.parse_args(argv)
     settings = Settings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

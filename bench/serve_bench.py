@@ -62,7 +62,7 @@ from common.process import freeze_startup_heap  # noqa: E402
 from common.protocol import ErrorEvent, Job, SamplingParams  # noqa: E402
 from common.settings import Settings, default_model_dir  # noqa: E402
 from tests.conftest import Stack, free_port, stop_stack, wait_healthy  # noqa: E402
-from worker.engine import Engine  # noqa: E402
+from worker.transformers_engine import TransformersEngine  # noqa: E402
 from worker.tiny_model import ensure_tiny_model  # noqa: E402
 
 REQUEST_TIMEOUT = 120.0
@@ -179,7 +179,7 @@ def served(deployment: Deployment, route: str, workload: Workload, concurrency: 
     return summarize(records, wall)
 
 
-def in_process(engine: Engine, workload: Workload, concurrency: int, time_limit: float) -> dict[str, Any]:
+def in_process(engine: TransformersEngine, workload: Workload, concurrency: int, time_limit: float) -> dict[str, Any]:
     """The same closed loop as the HTTP clients, on the engine's own step loop: a request is added as soon
     as a client's previous one finished, each token is timed when the step that made it returns."""
     records: dict[str, RequestRecord] = {}
@@ -260,7 +260,7 @@ def run_load(args: argparse.Namespace, redis_url: str, model: Path, workload: Wo
              log_dir: Path) -> dict[str, list[dict[str, Any]]]:
     """Sections 1 and 2: every level served (stream, then non-stream) then in-process, level by level."""
     torch.set_num_threads(1)
-    engine = Engine.load(Settings(model_path=model))
+    engine = TransformersEngine.load(Settings(model_path=model))
     freeze_startup_heap()  # as a worker does after loading its model
     in_process(engine, Workload([], workload.prompt_ids[:8], workload.prompt_tokens, 8), 4, 60)  # warm-up
     results: dict[str, list[dict[str, Any]]] = {"stream": [], "non_stream": [], "in_process": []}

@@ -31,7 +31,7 @@ from common import keys  # noqa: E402
 from common.process import freeze_startup_heap  # noqa: E402
 from common.protocol import Job, SamplingParams  # noqa: E402
 from common.settings import Settings, default_model_dir  # noqa: E402
-from worker.engine import Engine  # noqa: E402
+from worker.transformers_engine import TransformersEngine  # noqa: E402
 from worker.main import WorkerLoop  # noqa: E402
 from worker.tiny_model import ensure_tiny_model  # noqa: E402
 
@@ -46,7 +46,7 @@ def jobs(count: int, first: int) -> list[Job]:
             for i in range(count)]
 
 
-def engine_alone(engine: Engine, batches: list[list[Job]]) -> float:
+def engine_alone(engine: TransformersEngine, batches: list[list[Job]]) -> float:
     """Tokens/s of the engine's step loop over the batches, one after the other."""
     started, tokens = time.perf_counter(), 0
     for batch in batches:
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         model = model_without_eos(ensure_tiny_model(default_model_dir()), Path(scratch) / "tiny-llama-no-eos")
         settings = Settings(model_path=model, model_name="bench", redis_url=url,
                             max_batch_size=max(args.concurrency))
-        engine = Engine.load(settings)
+        engine = TransformersEngine.load(settings)
         freeze_startup_heap()  # as ferry-worker does
         loop = WorkerLoop(settings, redis.Redis.from_url(url), engine)
         loop.connect()

@@ -40,6 +40,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
+EngineName = Literal["transformers", "vllm"]
 Section = Literal["ServerConfig", "LogConfig", "BackendConfig", "ScheduleConfig", "ModelDeployConfig"]
 # Where each section sits in the nested file.
 SECTION_PATHS: dict[str, tuple[str, ...]] = {
@@ -219,7 +220,16 @@ class Settings(BaseSettings):
         0, ge=0, le=65535, description="0: off", **_spec("BackendConfig", "workerMetricsPort", "WORKER_METRICS_PORT")
     )
 
-    # Worker engine
+    # Worker engine (README "Engines")
+    engine: EngineName = Field("transformers", **_spec("BackendConfig", "engine", "ENGINE"))
+    trust_remote_code: bool = Field(
+        False, description="run the model folder's own Python code (Hugging Face trust_remote_code)",
+        **_spec("BackendConfig", "trustRemoteCode", "TRUST_REMOTE_CODE"),
+    )
+    vllm_engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="further vllm.EngineArgs fields for the vllm engine (a JSON object)",
+        **_spec("BackendConfig", "vllmEngineArgs", "VLLM_ENGINE_ARGS"),
+    )
     device: str = Field("cpu", **_spec("BackendConfig", "device", "DEVICE"))
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("float32", **_spec("BackendConfig", "dtype", "DTYPE"))
     max_batch_size: int = Field(32, gt=0, **_spec("ScheduleConfig", "maxBatchSize", "MAX_BATCH_SIZE"))

@@ -1,4 +1,5 @@
-"""The continuous-batching engine against the tiny model: batching must never change a request's output."""
+"""The built-in engine's own guarantees (attention paths, penalties, limits); what every engine promises is in
+tests/test_engine_contract.py."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from common.protocol import ErrorEvent, Job, SamplingParams, TokenEvent
+from common.protocol import Job, SamplingParams, TokenEvent
 from common.settings import Settings
 from worker.attention import PADDED_SDPA, use_padded_attention
-from worker.engine import Engine, StepOutput
+from worker.engine import StepOutput
+from worker.transformers_engine import TransformersEngine
 
 PROMPTS = [
     "def add(a, b):",
@@ -55,10 +57,10 @@ def prompts(tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
     return [tokenizer(text).input_ids for text in PROMPTS]
 
 
-def make_engine(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, **limits: int) -> Engine:
+def make_engine(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, **limits: int) -> TransformersEngine:
     defaults = {"max_batch_size": 32, "max_prefill_batch_size": 8, "max_prefill_tokens": 8192}
     settings = Settings(model_path=Path("unused"), **{**defaults, **limits})
-    return Engine(model, tokenizer, settings)
+    return TransformersEngine(model, tokenizer, settings)
 
 
 def make_job(input_ids: list[int], *, seed: int = 0, max_new_tokens: int = 16, **params: object) -> Job:
@@ -88,7 +90,7 @@ def collect(outputs: list[StepOutput], events: dict[str, list[TokenEvent]]) -> N
 
 
 def run(
-    engine: Engine, arrivals: Mapping[int, Iterable[Job]], events: dict[str, list[TokenEvent]] | None = None
+    engine: TransformersEngine, arrivals: Mapping[int, Iterable[Job]], events: dict[str, list[TokenEvent]] | None = None
 ) -> dict[str, list[TokenEvent]]:
     """Add ``arrivals[n]`` before step n, step until idle (extending ``events`` of earlier steps); check
     the event stream of every request."""
@@ -140,57 +142,6 @@ def test_greedy_batch_matches_generate_alone(model, served, tokenizer, prompts, 
         assert stream[-1].finish.generated_text == tokenizer.decode(token_ids(stream), skip_special_tokens=True)
 
 
-def test_greedy_logprobs_are_the_model_distribution(model, served, tokenizer, prompts) -> None:
-    job = make_job(prompts[1], max_new_tokens=6)
-    other = make_job(prompts[3], max_new_tokens=9)
-    events = run(make_engine(served, tokenizer), {0: [job, other]})
-    ids = torch.tensor([job.input_ids])
-    output = model.generate(
-        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6,
-        output_logits=True, return_dict_in_generate=True,
-    )
-    for event, logits in zip(events[job.request_id], output.logits):
-        expected = logits[0].float().log_softmax(-1)[event.token.id].item()
-        assert event.token.logprob == pytest.approx(expected, abs=1e-4)
-
-
-SAMPLED = [
-    {"do_sample": True, "temperature": 0.7, "top_k": 40, "top_p": 0.9, "seed": 11},
-    {"do_sample": True, "temperature": 1.3, "seed": 2**64 - 1},
-    {"do_sample": True, "top_p": 0.5, "seed": 7},
-    {"do_sample": True, "top_k": 5, "repetition_penalty": 1.2, "seed": 12345},
-]
-
-
-def test_seeded_sampling_is_independent_of_the_batch(served, tokenizer, prompts) -> None:
-    alone = {}
-    for i, params in enumerate(SAMPLED):
-        job = make_job(prompts[i], max_new_tokens=24, **params)
-        alone[i] = run(make_engine(served, tokenizer), {0: [job]})[job.request_id]
-    busy = [make_job(prompts[i], max_new_tokens=24, **params) for i, params in enumerate(SAMPLED)]
-    noise = [
-        make_job(prompts[4], max_new_tokens=5),
-        make_job(prompts[5], max_new_tokens=30, do_sample=True, seed=99),
-        make_job(prompts[6], max_new_tokens=3, do_sample=True, temperature=2.0, seed=5),
-        make_job(prompts[7], max_new_tokens=12, repetition_penalty=1.5),
-    ]
-    arrivals = {0: [noise[0], busy[0], noise[1]], 1: [busy[1]], 3: [noise[2], busy[2]], 4: [busy[3], noise[3]]}
-    events = run(make_engine(served, tokenizer, max_prefill_batch_size=2), arrivals)
-    for i, job in enumerate(busy):
-        stream = events[job.request_id]
-        assert token_ids(stream) == token_ids(alone[i])
-        assert [e.token.logprob for e in stream] == pytest.approx([e.token.logprob for e in alone[i]], abs=1e-4)
-    other_seed = make_job(prompts[0], max_new_tokens=24, **{**SAMPLED[0], "seed": 12})
-    assert token_ids(run(make_engine(served, tokenizer), {0: [other_seed]})[other_seed.request_id]) != token_ids(alone[0])
-
-
-def test_top_k_1_sampling_is_greedy_with_certain_tokens(model, served, tokenizer, prompts) -> None:
-    job = make_job(prompts[2], max_new_tokens=10, do_sample=True, top_k=1, temperature=0.5, seed=3)
-    stream = run(make_engine(served, tokenizer), {0: [job]})[job.request_id]
-    assert token_ids(stream) == greedy_reference(model, job.input_ids, 10)
-    assert all(event.token.logprob == 0.0 for event in stream)
-
-
 def test_repetition_penalty_matches_generate(model, served, tokenizer, prompts) -> None:
     penalised = [make_job(prompts[i], max_new_tokens=30, repetition_penalty=p) for i, p in ((6, 1.3), (0, 0.3))]
     plain = make_job(prompts[3], max_new_tokens=20)
@@ -220,19 +171,6 @@ def test_decoder_input_details_are_prompt_logprobs(model, served, tokenizer, pro
 # -- finish reasons ---------------------------------------------------------------------------------
 
 
-def test_eos_from_a_generation_config_list(model, served, tokenizer, prompts) -> None:
-    reference = greedy_reference(model, prompts[1], 20)
-    stop_at = 6
-    eos_model = copy.deepcopy(served)
-    eos_model.generation_config.eos_token_id = [tokenizer.eos_token_id, reference[stop_at]]
-    job = make_job(prompts[1], max_new_tokens=20)
-    stream = run(make_engine(eos_model, tokenizer), {0: [job]})[job.request_id]
-    first = reference.index(reference[stop_at])
-    assert token_ids(stream) == reference[: first + 1]
-    assert stream[-1].finish.finish_reason == "eos_token"
-    assert stream[-1].finish.generated_tokens == first + 1
-
-
 def test_special_eos_token_is_emitted_with_empty_text(model, served, tokenizer, prompts) -> None:
     reference = greedy_reference(model, prompts[0], 20)
     eos_model = copy.deepcopy(served)
@@ -253,39 +191,21 @@ def test_special_eos_token_is_emitted_with_empty_text(model, served, tokenizer, 
     assert events[job.request_id][-1].finish.finish_reason == "eos_token"
 
 
-def test_stop_sequence_cuts_the_text(model, served, tokenizer, prompts) -> None:
-    reference = greedy_reference(model, prompts[3], 40)
-    full_text = tokenizer.decode(reference, skip_special_tokens=True)
-    stop = full_text[25:31]
-    assert stop and full_text.find(stop) == 25
-    job = make_job(prompts[3], max_new_tokens=40, stop=["never-generated", stop])
-    other = make_job(prompts[0], max_new_tokens=40, stop=["never-generated"])
-    events = run(make_engine(served, tokenizer), {0: [job, other]})
-    stream = events[job.request_id]
-    finish = stream[-1].finish
-    assert finish.finish_reason == "stop_sequence"
-    assert finish.generated_text == full_text[:25]
-    assert token_ids(stream) == reference[: len(stream)]
-    assert tokenizer.decode(token_ids(stream), skip_special_tokens=True).startswith(full_text[:31])
-    assert tokenizer.decode(token_ids(stream)[:-1], skip_special_tokens=True).find(stop) == -1
-    assert events[other.request_id][-1].finish.finish_reason == "length"
-
-
 def test_total_length_is_capped_by_max_seq_len(served, tokenizer, prompts) -> None:
     prompt = prompts[1]
     engine = make_engine(served, tokenizer, max_seq_len=len(prompt) + 5)
     job = make_job(prompt, max_new_tokens=50)
-    assert engine.fits(job)
+    assert engine.refusal(job) is None
     stream = run(engine, {0: [job]})[job.request_id]
     assert len(stream) == 5 and stream[-1].finish.finish_reason == "length"
-    assert not engine.fits(make_job(prompt + prompt[:5]))
+    assert "no room" in engine.refusal(make_job(prompt + prompt[:5]))
 
 
 def test_fits_rejects_what_can_never_run(served, tokenizer, prompts) -> None:
     engine = make_engine(served, tokenizer, max_prefill_tokens=10, max_batch_total_tokens=40)
-    assert engine.fits(make_job(prompts[0], max_new_tokens=1000))
-    assert not engine.fits(make_job([1] * 11))
-    assert not engine.fits(make_job([1, len(tokenizer) + 5]))
+    assert engine.refusal(make_job(prompts[0], max_new_tokens=1000)) is None
+    assert "maxPrefillTokens" in engine.refusal(make_job([1] * 11))
+    assert "vocabulary" in engine.refusal(make_job([1, len(tokenizer) + 5]))
     with pytest.raises(ValueError):
         engine.add(make_job([1] * 11))
 
@@ -357,66 +277,6 @@ def test_batch_size_limit(served, tokenizer, prompts) -> None:
     assert len(events[jobs[2].request_id]) == 6
 
 
-def test_cancel_drops_queued_and_running_requests(model, served, tokenizer, prompts) -> None:
-    engine = make_engine(served, tokenizer, max_prefill_batch_size=3)
-    jobs = [make_job(prompts[i], max_new_tokens=20) for i in range(4)]
-    for job in jobs[:3]:
-        engine.add(job)
-    events: dict[str, list[TokenEvent]] = {}
-    collect(engine.step(), events)
-    collect(engine.step(), events)
-    engine.add(jobs[3])
-    assert engine.batch_size == 3
-    assert engine.cancel(jobs[1].request_id)  # running
-    assert engine.cancel(jobs[3].request_id)  # still queued
-    assert not engine.cancel("unknown")
-    cancelled = events.pop(jobs[1].request_id)
-    collect(engine.step(), events)
-    assert engine.batch_size == 2
-    run(engine, {}, events)
-    assert engine.idle
-    assert len(cancelled) == 2 and jobs[1].request_id not in events and jobs[3].request_id not in events
-    for job in (jobs[0], jobs[2]):
-        assert token_ids(events[job.request_id]) == greedy_reference(model, job.input_ids, 20)
-
-
-def test_stop_ends_a_request_with_a_complete_answer(model, served, tokenizer, prompts) -> None:
-    engine = make_engine(served, tokenizer)
-    stopped, other = make_job(prompts[2], max_new_tokens=20), make_job(prompts[5], max_new_tokens=20)
-    events: dict[str, list[TokenEvent]] = {}
-    engine.add(stopped)
-    engine.add(other)
-    for _ in range(3):
-        collect(engine.step(), events)
-    assert engine.stop(stopped.request_id) and not engine.stop("unknown")
-    run(engine, {}, events)
-    stream = events[stopped.request_id]
-    assert len(stream) == 4 and stream[-1].finish.finish_reason == "stop_sequence"
-    assert stream[-1].finish.generated_text == tokenizer.decode(token_ids(stream), skip_special_tokens=True)
-    assert token_ids(events[other.request_id]) == greedy_reference(model, other.input_ids, 20)
-
-
-def test_a_failing_request_does_not_stop_the_others(model, served, tokenizer, prompts, monkeypatch) -> None:
-    engine = make_engine(served, tokenizer)
-    bad, good = make_job(prompts[0], max_new_tokens=10), make_job(prompts[1], max_new_tokens=10)
-    engine.add(bad)
-    engine.add(good)
-    stream = engine._waiting[0].stream  # the queued state of ``bad``
-
-    def broken(token_id: int) -> tuple[str, bool]:
-        raise RuntimeError("broken detokenizer")
-
-    monkeypatch.setattr(stream, "push", broken)
-    outputs = engine.step()
-    failed = [out for out in outputs if out.job is bad]
-    assert len(failed) == 1 and isinstance(failed[0].event, ErrorEvent) and failed[0].finished
-    assert engine.batch_size == 1
-    events: dict[str, list[TokenEvent]] = {}
-    collect([out for out in outputs if out.job is good], events)
-    run(engine, {}, events)
-    assert token_ids(events[good.request_id]) == greedy_reference(model, good.input_ids, 10)
-
-
 def test_a_failing_forward_pass_drops_its_batch(model, served, tokenizer, prompts, monkeypatch) -> None:
     engine = make_engine(served, tokenizer)
     engine.add(make_job(prompts[0], max_new_tokens=10))
@@ -431,6 +291,87 @@ def test_a_failing_forward_pass_drops_its_batch(model, served, tokenizer, prompt
 
 
 def test_load_from_settings(tiny_model_path: Path, prompts) -> None:
-    engine = Engine.load(Settings(model_path=tiny_model_path, device="cpu", dtype="float32"))
+    engine = TransformersEngine.load(Settings(model_path=tiny_model_path, device="cpu", dtype="float32"))
     job = make_job(prompts[0], max_new_tokens=4)
     assert len(run(engine, {0: [job]})[job.request_id]) == 4
+
+
+def test_a_model_without_position_ids_serves_mixed_batches(tiny_model_path: Path, tokenizer, prompts, tmp_path) -> None:
+    """Bloom (ALiBi) declares no ``position_ids``: the engine passes only the arguments a forward declares,
+    and left-padded, joining batches still equal ``generate`` alone."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    config = BloomConfig(
+        vocab_size=len(tokenizer), hidden_size=64, n_layer=2, n_head=4, initializer_range=0.1,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    BloomForCausalLM(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    engine = TransformersEngine.load(Settings(model_path=tmp_path))
+    assert not engine._forward.position_ids
+    reference_model = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    jobs = [make_job(prompts[i], max_new_tokens=12) for i in range(4)]
+    events = run(engine, {0: jobs[:2], 3: jobs[2:]})
+    for job in jobs:
+        assert token_ids(events[job.request_id]) == greedy_reference(reference_model, job.input_ids, 12)
+
+
+REMOTE_CODE = '''
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+class FerryRemoteConfig(LlamaConfig):
+    model_type = "ferry_remote"
+
+
+class FerryRemoteForCausalLM(LlamaForCausalLM):
+    config_class = FerryRemoteConfig
+'''
+
+
+@pytest.fixture(scope="module")
+def remote_code_model(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model as a model type transformers does not know, served by code in the folder (auto_map)."""
+    import json
+    import shutil
+
+    path = tmp_path_factory.mktemp("models") / "tiny-remote"
+    shutil.copytree(tiny_model_path, path)
+    (path / "modeling_ferry_remote.py").write_text(REMOTE_CODE)
+    config = json.loads((path / "config.json").read_text())
+    config.update(model_type="ferry_remote", architectures=["FerryRemoteForCausalLM"], auto_map={
+        "AutoConfig": "modeling_ferry_remote.FerryRemoteConfig",
+        "AutoModelForCausalLM": "modeling_ferry_remote.FerryRemoteForCausalLM",
+    })
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_trust_remote_code_loads_a_model_with_its_own_code(remote_code_model: Path, model, prompts) -> None:
+    engine = TransformersEngine.load(Settings(model_path=remote_code_model, trust_remote_code=True))
+    assert type(engine.model).__name__ == "FerryRemoteForCausalLM"
+    job = make_job(prompts[0], max_new_tokens=6)
+    assert token_ids(run(engine, {0: [job]})[job.request_id]) == greedy_reference(model, job.input_ids, 6)
+
+
+def test_a_model_that_cannot_load_stops_the_worker_with_one_line(
+    remote_code_model: Path, tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """Custom code without trustRemoteCode, and a folder without weights: ferry-worker exits 1 at once with
+    one line naming the folder, instead of a healthy-looking worker that fails every request."""
+    import shutil
+    import subprocess
+    import sys
+
+    no_weights = tmp_path / "no-weights"
+    shutil.copytree(tiny_model_path, no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
+    for path, expected in ((remote_code_model, "trust_remote_code"), (no_weights, "no-weights")):
+        result = subprocess.run(
+            [sys.executable, "-m", "worker.main", "--model-path", str(path), "--redis-url", "redis://127.0.0.1:1/0"],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert result.returncode == 1, result.stderr
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith("ferry-worker: cannot load the model at") and str(path) in last and expected in last
+        assert "Traceback" not in result.stderr

@@ -17,7 +17,7 @@ from common import keys
 from common.protocol import Job, SamplingParams, TokenEvent, WorkerStatus, decode_event
 from common.settings import Settings
 from tests.conftest import Stack, free_port
-from worker.engine import Engine
+from worker.transformers_engine import TransformersEngine
 from worker.main import WorkerLoop
 
 TGI_HEADERS = ("x-compute-time", "x-total-time", "x-queue-time", "x-inference-time", "x-time-per-token")
@@ -135,11 +135,11 @@ def test_health_lists_live_workers_per_pool(stack: Stack) -> None:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_path: Path) -> Engine:
-    return Engine.load(Settings(model_path=tiny_model_path, max_seq_len=64))
+def engine(tiny_model_path: Path) -> TransformersEngine:
+    return TransformersEngine.load(Settings(model_path=tiny_model_path, max_seq_len=64))
 
 
-def test_worker_metrics_status_and_timings(engine: Engine, tiny_model_path: Path) -> None:
+def test_worker_metrics_status_and_timings(engine: TransformersEngine, tiny_model_path: Path) -> None:
     loop = WorkerLoop(Settings(model_path=tiny_model_path, model_name="wm"), fakeredis.FakeRedis(), engine)
     loop.connect()
     listener = loop.redis.pubsub()

@@ -40,7 +40,7 @@ from common.protocol import Control, ErrorEvent, Finish, Job, SamplingParams, To
 from common.settings import Settings
 from tests.conftest import Stack, free_port, start_stack, stop_stack
 from tests.fakes import FakeSubmission, patch_submit
-from worker.engine import Engine
+from worker.transformers_engine import TransformersEngine
 from worker.main import WorkerLoop
 
 PROMPT = "def main("
@@ -62,14 +62,14 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: 
 
 
 @pytest.fixture(scope="module")
-def base_engine(tiny_model_path: Path) -> Engine:
-    return Engine.load(Settings(model_path=tiny_model_path))
+def base_engine(tiny_model_path: Path) -> TransformersEngine:
+    return TransformersEngine.load(Settings(model_path=tiny_model_path))
 
 
-def make_loop(engine: Engine, server: fakeredis.FakeServer, consumer: str, **settings: Any) -> WorkerLoop:
+def make_loop(engine: TransformersEngine, server: fakeredis.FakeServer, consumer: str, **settings: Any) -> WorkerLoop:
     """A worker with a fresh engine over the shared model (a new worker process, as far as Redis knows)."""
     config = Settings(model_path=engine.settings.model_path, model_name="m", **settings)
-    loop = WorkerLoop(config, fakeredis.FakeRedis(server=server), Engine(engine.model, engine.tokenizer, config))
+    loop = WorkerLoop(config, fakeredis.FakeRedis(server=server), TransformersEngine(engine.model, engine.tokenizer, config))
     loop.consumer = consumer
     loop.connect()
     return loop
@@ -120,7 +120,7 @@ def stream_ids(client: redis.Redis) -> list[bytes]:
     return [message_id for message_id, _ in client.xrange(keys.job_stream("m"))]
 
 
-def test_abandoned_job_is_taken_over_and_fails_after_max_deliveries(base_engine: Engine) -> None:
+def test_abandoned_job_is_taken_over_and_fails_after_max_deliveries(base_engine: TransformersEngine) -> None:
     """A job whose workers keep dying is re-delivered (XAUTOCLAIM after claimIdleSeconds) to a live worker,
     which restarts it, until maxDeliveries deliveries: the next claimer fails it with an error event and
     acknowledges it, instead of crashing workers forever."""
@@ -150,7 +150,7 @@ def test_abandoned_job_is_taken_over_and_fails_after_max_deliveries(base_engine:
     assert last.redis.xpending(last.stream, last.group)["pending"] == 0 and stream_ids(last.redis) == []
 
 
-def test_live_worker_keeps_its_jobs_with_heartbeats(base_engine: Engine) -> None:
+def test_live_worker_keeps_its_jobs_with_heartbeats(base_engine: TransformersEngine) -> None:
     """A worker's heartbeat resets the idle time of its running jobs (XCLAIM JUSTID), so a slow but live
     worker does not lose them to another worker's XAUTOCLAIM."""
     server = fakeredis.FakeServer()
@@ -176,7 +176,7 @@ def run_until(loop: WorkerLoop, condition: Callable[[], bool], limit: int = 200)
     raise AssertionError("condition not reached")
 
 
-def test_cancel_drops_a_running_request_from_the_batch(base_engine: Engine) -> None:
+def test_cancel_drops_a_running_request_from_the_batch(base_engine: TransformersEngine) -> None:
     """A client that left (control message ``cancel``): its worker drops the request at the next step, the
     batch shrinks, the job is acknowledged and deleted, and no further event is published for it."""
     server = fakeredis.FakeServer()
@@ -200,7 +200,7 @@ def test_cancel_drops_a_running_request_from_the_batch(base_engine: Engine) -> N
     assert loop.redis.xlen(loop.stream) == 0
 
 
-def test_cancel_of_a_queued_request_skips_it(base_engine: Engine) -> None:
+def test_cancel_of_a_queued_request_skips_it(base_engine: TransformersEngine) -> None:
     """A cancel published before any worker read the job is kept as a key: the job is acknowledged unread."""
     server = fakeredis.FakeServer()
     loop = make_loop(base_engine, server, "cpu:host:1")
@@ -214,7 +214,7 @@ def test_cancel_of_a_queued_request_skips_it(base_engine: Engine) -> None:
 
 
 @pytest.mark.parametrize("queued", [False, True], ids=["running", "queued"])
-def test_stop_ends_a_request_with_stop_sequence_and_its_text(base_engine: Engine, queued: bool) -> None:
+def test_stop_ends_a_request_with_stop_sequence_and_its_text(base_engine: TransformersEngine, queued: bool) -> None:
     """stopInfer (control message ``stop``): the request ends at its next token with finish_reason
     ``stop_sequence`` and the text so far; it is acknowledged like any finished request."""
     server = fakeredis.FakeServer()
@@ -235,7 +235,7 @@ def test_stop_ends_a_request_with_stop_sequence_and_its_text(base_engine: Engine
     assert loop.redis.xlen(loop.stream) == 0
 
 
-def test_job_past_its_deadline_is_not_started(base_engine: Engine) -> None:
+def test_job_past_its_deadline_is_not_started(base_engine: TransformersEngine) -> None:
     """Nobody waits for a job whose deadline passed while it was queued: the worker publishes an
     ``incomplete_generation`` error instead of computing it, and acknowledges it."""
     server = fakeredis.FakeServer()
@@ -250,7 +250,7 @@ def test_job_past_its_deadline_is_not_started(base_engine: Engine) -> None:
     assert loop.redis.xlen(loop.stream) == 0
 
 
-def test_running_job_is_dropped_at_its_deadline(base_engine: Engine) -> None:
+def test_running_job_is_dropped_at_its_deadline(base_engine: TransformersEngine) -> None:
     server = fakeredis.FakeServer()
     loop = make_loop(base_engine, server, "cpu:host:1")
     replies = Replies(loop.redis)
@@ -266,7 +266,7 @@ def test_running_job_is_dropped_at_its_deadline(base_engine: Engine) -> None:
 
 
 
-def test_a_wall_clock_step_does_not_expire_a_running_job(base_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_wall_clock_step_does_not_expire_a_running_job(base_engine: TransformersEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     """The worker reads the wall clock once, when it accepts a job; an NTP step or a resumed VM after that
     moves no deadline (a CI run once saw a request time out before its e2eTimeout)."""
     server = fakeredis.FakeServer()

@@ -11,17 +11,17 @@ import pytest
 from common import keys
 from common.protocol import ErrorEvent, Job, SamplingParams, TokenEvent, decode_event
 from common.settings import Settings
-from worker.engine import Engine
+from worker.transformers_engine import TransformersEngine
 from worker.main import WorkerLoop
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_path: Path) -> Engine:
-    return Engine.load(Settings(model_path=tiny_model_path, max_seq_len=64))
+def engine(tiny_model_path: Path) -> TransformersEngine:
+    return TransformersEngine.load(Settings(model_path=tiny_model_path, max_seq_len=64))
 
 
 @pytest.fixture
-def loop(engine: Engine, tiny_model_path: Path) -> WorkerLoop:
+def loop(engine: TransformersEngine, tiny_model_path: Path) -> WorkerLoop:
     settings = Settings(model_path=tiny_model_path, model_name="m")
     worker = WorkerLoop(settings, fakeredis.FakeRedis(), engine)
     worker.connect()

@@ -4,19 +4,53 @@ Rows are left-padded to a common cache width, so a decode step is one forward pa
 whatever the rows' lengths: the attention mask hides each row's padding and explicit position ids keep
 every row's positions starting at 0, exactly as if it ran alone. Rows that finish are filtered out and
 padding columns no remaining row needs are trimmed; newly prefilled rows are merged in by left-padding
-the narrower of the two caches. The KV cache is a ``transformers`` ``DynamicCache``, built and rebuilt
-only through its public ``update`` API.
+the narrower of the two caches. The KV cache is a ``transformers`` 5 ``DynamicCache``, read through its
+public ``layers`` and built only through its public ``update`` API.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from common.protocol import SamplingParams
+from worker.attention import accepts_4d_mask
 from worker.sampling import BatchSampler
+
+
+@dataclass(frozen=True)
+class ForwardArgs:
+    """How to call one model's forward: which of the optional arguments it declares (a model that has no
+    ``position_ids``, such as Bloom with ALiBi, derives positions from the mask; one without
+    ``logits_to_keep`` returns every position's logits) and whether it takes a ready 4D mask."""
+
+    mask_4d: bool
+    position_ids: bool
+    logits_to_keep: bool
+
+    @classmethod
+    def of(cls, model: PreTrainedModel) -> "ForwardArgs":
+        declared = inspect.signature(model.forward).parameters
+        return cls(accepts_4d_mask(model), "position_ids" in declared, "logits_to_keep" in declared)
+
+    def call(
+        self, model: PreTrainedModel, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+        cache: DynamicCache, logits_to_keep: int | None = None,
+    ) -> torch.Tensor:
+        """The logits of one forward pass (``mask`` already in the form :attr:`mask_4d` says)."""
+        kwargs: dict[str, Any] = {}
+        if self.position_ids:
+            kwargs["position_ids"] = positions
+        if self.logits_to_keep and logits_to_keep is not None:
+            kwargs["logits_to_keep"] = logits_to_keep
+        return model(
+            input_ids=input_ids, attention_mask=mask, past_key_values=cache, use_cache=True, **kwargs
+        ).logits
 
 
 class DecodeBatch:
@@ -29,14 +63,12 @@ class DecodeBatch:
         next_ids: torch.Tensor,
         positions: torch.Tensor,
         sampler: BatchSampler,
-        mask_4d: bool,
     ) -> None:
         self.cache = cache
         self.attention_mask = attention_mask  # bool [batch, cache width], False on left padding
         self.next_ids = next_ids  # [batch, 1]: the last chosen token, not yet in the cache
         self.positions = positions  # [batch, 1]: position id of next_ids
         self.sampler = sampler
-        self.mask_4d = mask_4d
 
     @classmethod
     def prefill(
@@ -46,10 +78,9 @@ class DecodeBatch:
         params: Sequence[SamplingParams],
         pad_id: int,
         prompt_details: Sequence[bool],
-        mask_4d: bool,
+        forward: ForwardArgs,
     ) -> tuple["DecodeBatch", torch.Tensor, torch.Tensor, list[list[float] | None]]:
         """Run the prompts through the model in one left-padded pass and choose each row's first token.
-        ``mask_4d``: hand the model ready boolean 4D masks (see :func:`worker.attention.accepts_4d_mask`).
 
         Returns the batch, the chosen ids and their logprobs, and for rows that asked for details the
         logprob of each prompt token after the first. Full-sequence logits are only materialised then.
@@ -61,37 +92,26 @@ class DecodeBatch:
         attention_mask = torch.tensor(mask, dtype=torch.bool, device=model.device)
         positions = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
         cache = DynamicCache()
-        logits = model(
-            input_ids=input_ids,
-            attention_mask=_causal_mask(attention_mask) if mask_4d else attention_mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=0 if any(prompt_details) else 1,
-        ).logits
+        mask = _causal_mask(attention_mask) if forward.mask_4d else attention_mask
+        logits = forward.call(model, input_ids, mask, positions, cache, 0 if any(prompt_details) else 1)
         sampler = BatchSampler.create(params, prompts, logits.shape[-1], model.device)
         ids, logprobs = sampler(logits[:, -1, :])
         prompt_logprobs = [
             _prompt_logprobs(logits[row], prompt) if details else None
             for row, (prompt, details) in enumerate(zip(prompts, prompt_details))
         ]
-        batch = cls(cache, attention_mask, ids[:, None], positions[:, -1:] + 1, sampler, mask_4d)
+        batch = cls(cache, attention_mask, ids[:, None], positions[:, -1:] + 1, sampler)
         return batch, ids, logprobs, prompt_logprobs
 
     @property
     def size(self) -> int:
         return self.next_ids.shape[0]
 
-    def decode(self, model: PreTrainedModel) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(self, model: PreTrainedModel, forward: ForwardArgs) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed every row's last token, append it to the cache and choose the next one."""
         attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones((self.size, 1))], dim=1)
-        logits = model(
-            input_ids=self.next_ids,
-            attention_mask=attention_mask[:, None, None, :] if self.mask_4d else attention_mask,
-            position_ids=self.positions,
-            past_key_values=self.cache,
-            use_cache=True,
-        ).logits
+        mask = attention_mask[:, None, None, :] if forward.mask_4d else attention_mask
+        logits = forward.call(model, self.next_ids, mask, self.positions, self.cache)
         self.attention_mask = attention_mask
         ids, logprobs = self.sampler(logits[:, -1, :])
         self.next_ids = ids[:, None]
@@ -104,7 +124,7 @@ class DecodeBatch:
         attention_mask = self.attention_mask[index]
         start = int(attention_mask.any(dim=0).int().argmax())
         self.attention_mask = attention_mask[:, start:]
-        self.cache = _build_cache((keys[index, :, start:], values[index, :, start:]) for keys, values in self.cache)
+        self.cache = _build_cache((keys[index, :, start:], values[index, :, start:]) for keys, values in _layers(self.cache))
         self.next_ids = self.next_ids[index]
         self.positions = self.positions[index]
         self.sampler = self.sampler.select(keep)
@@ -115,7 +135,7 @@ class DecodeBatch:
         self.attention_mask = _stack_left_padded([self.attention_mask, other.attention_mask], width, seq_dim=1)
         self.cache = _build_cache(
             (_stack_left_padded([keys, other_keys], width, seq_dim=2), _stack_left_padded([values, other_values], width, seq_dim=2))
-            for (keys, values), (other_keys, other_values) in zip(self.cache, other.cache)
+            for (keys, values), (other_keys, other_values) in zip(_layers(self.cache), _layers(other.cache))
         )
         self.next_ids = torch.cat([self.next_ids, other.next_ids])
         self.positions = torch.cat([self.positions, other.positions])
@@ -152,6 +172,11 @@ def _stack_left_padded(tensors: list[torch.Tensor], width: int, seq_dim: int) ->
         out.narrow(0, row, rows).narrow(seq_dim, width - length, length).copy_(tensor)
         row += rows
     return out
+
+
+def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) of each layer, [batch, kv_heads, width, head_dim] each (transformers 5's ``Cache.layers``)."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
 
 
 def _build_cache(layers: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:

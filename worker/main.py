@@ -1,7 +1,7 @@
 """``ferry-worker``: the queue loop of one worker process (one device).
 
 It reads jobs of its model from the job stream through the model's consumer group, hands them to the
-continuous-batching :class:`worker.engine.Engine`, publishes every token event to the job's reply channel
+engine (any :class:`worker.engine.Engine`: the loop does not know which), publishes every token event to the job's reply channel
 and XACKs (and XDELs) a job once its last event is published. Run N processes (same MODEL_NAME, any
 hosts) for a pool. What it promises under failures is in docs/reliability.md:
 
@@ -21,8 +21,9 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
-from typing import NamedTuple
+from typing import NamedTuple, get_args
 
 from pydantic import ValidationError
 from redis import Redis
@@ -35,8 +36,8 @@ from common import keys
 from common.logs import configure_logging
 from common.process import freeze_startup_heap
 from common.protocol import Control, ErrorEvent, Job, WorkerStatus
-from common.settings import Settings, settings_or_exit
-from worker.engine import Engine, StepOutput
+from common.settings import EngineName, Settings, settings_or_exit
+from worker.engine import Engine, EngineLoadError, StepOutput, load_engine
 from worker.metrics import WorkerMetrics
 
 log = logging.getLogger("ferry.worker")
@@ -63,7 +64,7 @@ class WorkerLoop:
         self.redis = redis
         self.engine = engine
         self.model = settings.served_model_name
-        self.metrics = metrics or WorkerMetrics(self.model, settings.max_batch_total_tokens)
+        self.metrics = metrics or WorkerMetrics(self.model, engine.kv_budget_tokens)
         self.stream = keys.job_stream(self.model)
         self.group = keys.worker_group(self.model)
         self.consumer = keys.consumer_name(settings.worker_pool, socket.gethostname(), os.getpid())
@@ -172,7 +173,7 @@ class WorkerLoop:
             batch_size=engine.batch_size,
             waiting=engine.waiting,
             kv_reserved_tokens=engine.reserved_tokens,
-            kv_budget_tokens=self.settings.max_batch_total_tokens,
+            kv_budget_tokens=engine.kv_budget_tokens,
         )
 
     def apply_controls(self) -> None:
@@ -242,9 +243,8 @@ class WorkerLoop:
             self.fail([job], "request timed out (e2eTimeout) before a worker could start it", "incomplete_generation")
             self._ack_ids([message_id])
             return
-        if not self.engine.fits(job):
-            self.fail([job], f"request does not fit this worker's limits ({len(job.input_ids)} prompt tokens)",
-                      "generation")
+        if (reason := self.engine.refusal(job)) is not None:
+            self.fail([job], f"request does not fit this worker: {reason}", "generation")
             self._ack_ids([message_id])
             return
         raw_control = self.redis.get(keys.control_key(self.model, job.request_id))
@@ -324,16 +324,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-path", help="overrides MODEL_PATH")
     parser.add_argument("--model-name", help="the model to serve, one of the config's ModelConfig; overrides MODEL_NAME")
     parser.add_argument("--device", help="cpu, cuda[:n] or npu[:n]; overrides DEVICE")
+    parser.add_argument("--engine", choices=get_args(EngineName), help="overrides ENGINE (default transformers)")
     args = parser.parse_args(argv)
     settings = settings_or_exit("ferry-worker", **{k: v for k, v in vars(args).items() if v is not None})
     configure_logging(settings.log_format, settings.log_level)
-    engine = Engine.load(settings)
-    freeze_startup_heap()
-    loop = WorkerLoop(settings, Redis.from_url(settings.redis_url), engine)
-    if settings.worker_metrics_port:
-        loop.metrics.serve(settings.worker_metrics_port)
-    signal.signal(signal.SIGTERM, lambda *_: loop.stop())
-    loop.run()
+    try:
+        engine = load_engine(settings)
+    except EngineLoadError as exc:
+        print(f"ferry-worker: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+    try:
+        freeze_startup_heap()
+        loop = WorkerLoop(settings, Redis.from_url(settings.redis_url), engine)
+        if settings.worker_metrics_port:
+            loop.metrics.serve(settings.worker_metrics_port)
+        signal.signal(signal.SIGTERM, lambda *_: loop.stop())
+        loop.run()
+    finally:
+        engine.close()
 
 
 if __name__ == "__main__":

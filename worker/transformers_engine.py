@@ -1,4 +1,4 @@
-"""The continuous-batching engine: iteration-level scheduling over a Hugging Face causal LM.
+"""The built-in engine: continuous batching written here over any Hugging Face causal LM (transformers 5).
 
 Each :meth:`Engine.step` admits queued jobs (one left-padded prefill pass, bounded by the prefill limits),
 runs one decode pass over the requests already running, merges the newcomers into the running batch and
@@ -14,65 +14,30 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from common.protocol import ErrorEvent, Finish, FinishReason, Job, TokenEvent, TokenInfo
+from common.protocol import ErrorEvent, Job, TokenEvent
 from common.settings import Settings
-from worker.attention import accepts_4d_mask, use_padded_attention
-from worker.batch import DecodeBatch
-from worker.detokenizer import TextStream, make_decoder
+from worker.attention import use_padded_attention
+from worker.batch import DecodeBatch, ForwardArgs
+from worker.detokenizer import make_decoder
+from worker.engine import (
+    Engine,
+    EngineLoadError,
+    RequestState,
+    StepOutput,
+    eos_token_ids,
+    limits_refusal,
+    new_request_state,
+    prompt_details,
+)
 
 log = logging.getLogger("ferry.engine")
 
 
-@dataclass(frozen=True)
-class StepOutput:
-    """One event for one request. ``event`` is an :class:`ErrorEvent` when this request alone failed."""
-
-    job: Job
-    event: TokenEvent | ErrorEvent
-
-    @property
-    def finished(self) -> bool:
-        """True on the request's last event (it has left the engine)."""
-        return isinstance(self.event, ErrorEvent) or self.event.finish is not None
-
-
-@dataclass
-class _Sequence:
-    """Engine-side state of one request."""
-
-    job: Job
-    stream: TextStream
-    max_new_tokens: int  # the request's own limit, lowered to fit the total length cap
-
-    prefill: list[TokenInfo] = field(default_factory=list)
-    started_at: float = 0.0  # unix time of admission (the prefill), for the request's queue and inference times
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.job.input_ids)
-
-    @property
-    def reserved_tokens(self) -> int:
-        """Cache tokens this request may grow to, held from admission to finish."""
-        return self.prompt_len + self.max_new_tokens
-
-
-def _eos_token_ids(model: PreTrainedModel) -> frozenset[int]:
-    """Every EOS id declared by the model's generation config or config (each an int, a list or unset)."""
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config):
-        value = getattr(source, "eos_token_id", None)
-        if value is not None:
-            ids.update([value] if isinstance(value, int) else value)
-    return frozenset(ids)
-
-
-class Engine:
+class TransformersEngine(Engine):
     """Runs many generation requests as one batch; see the module docstring."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, settings: Settings) -> None:
@@ -80,44 +45,45 @@ class Engine:
         self.tokenizer = tokenizer
         self.settings = settings
         self._decode = make_decoder(tokenizer)
-        self._eos_ids = _eos_token_ids(model)
+        self._eos_ids = eos_token_ids(getattr(model, "generation_config", None), model.config)
         self._special_ids = frozenset(tokenizer.all_special_ids)
         self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self._vocab_size = model.config.vocab_size
-        self._mask_4d = accepts_4d_mask(model)
+        self._forward = ForwardArgs.of(model)
         limits = [settings.max_seq_len, settings.max_batch_total_tokens]
         if getattr(model.config, "max_position_embeddings", None):
             limits.append(model.config.max_position_embeddings)
         self.max_total_tokens = min(limits)  # prompt + generated of one request
-        self._waiting: deque[_Sequence] = deque()
-        self._running: list[_Sequence] = []  # row order of self._batch
+        self._waiting: deque[RequestState] = deque()
+        self._running: list[RequestState] = []  # row order of self._batch
         self._batch: DecodeBatch | None = None
         self._cancelled: set[str] = set()
         self._stopping: set[str] = set()
 
     @classmethod
-    def load(cls, settings: Settings) -> "Engine":
+    def load(cls, settings: Settings) -> "TransformersEngine":
         """Load the model and tokenizer from ``settings.resolved_model_path`` onto ``settings.device``."""
+        path, remote = settings.resolved_model_path, settings.trust_remote_code
         if settings.device.split(":", 1)[0] == "npu":
             import torch_npu  # noqa: F401  (registers the npu device with torch)
         dtype = settings.dtype if settings.dtype == "auto" else getattr(torch, settings.dtype)
-        model = AutoModelForCausalLM.from_pretrained(settings.resolved_model_path, dtype=dtype)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=remote)
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=remote)
+        except (OSError, ValueError, ImportError) as exc:
+            raise EngineLoadError.for_model(path, exc) from None
         model.to(torch.device(settings.device)).eval()
         use_padded_attention(model)
-        tokenizer = AutoTokenizer.from_pretrained(settings.resolved_model_path)
         return cls(model, tokenizer, settings)
 
     # -- admission ---------------------------------------------------------------------------------
 
-    def fits(self, job: Job) -> bool:
-        """Whether the job can ever run here: prompt + 1 token within the length cap (which includes the
-        KV budget), a prompt that one prefill pass can take, and token ids the model knows."""
-        prompt_len = len(job.input_ids)
-        return (
-            prompt_len + 1 <= self.max_total_tokens
-            and prompt_len <= self.settings.max_prefill_tokens
-            and all(0 <= token < self._vocab_size for token in job.input_ids)
-        )
+    def refusal(self, job: Job) -> str | None:
+        """The shared limits (the length cap includes the KV budget here), and a prompt one prefill pass
+        can take."""
+        if len(job.input_ids) > self.settings.max_prefill_tokens:
+            return f"{len(job.input_ids)} prompt tokens exceed maxPrefillTokens ({self.settings.max_prefill_tokens})"
+        return limits_refusal(job, self.max_total_tokens, self._vocab_size)
 
     def has_room(self) -> bool:
         """Whether one more job could join: running plus queued requests leave a batch slot and KV budget
@@ -129,13 +95,12 @@ class Engine:
         )
 
     def add(self, job: Job) -> None:
-        """Queue a job (it must :meth:`fits`) for admission at a following step."""
-        if not self.fits(job):
-            raise ValueError(f"request {job.request_id} does not fit this engine's limits")
+        """Queue a job for admission at a following step."""
+        if (reason := self.refusal(job)) is not None:
+            raise ValueError(f"request {job.request_id}: {reason}")
         if self._knows(job.request_id):
             raise ValueError(f"request {job.request_id} is already queued or running")
-        max_new = min(job.params.max_new_tokens, self.max_total_tokens - len(job.input_ids))
-        self._waiting.append(_Sequence(job, TextStream(self._decode, job.params.stop), max_new))
+        self._waiting.append(new_request_state(job, self._decode, self.max_total_tokens))
 
     def cancel(self, request_id: str) -> bool:
         """Drop a queued or running request at the next step (it gets no further event)."""
@@ -172,6 +137,10 @@ class Engine:
         """KV budget held by the running requests (what ``max_batch_total_tokens`` bounds)."""
         return sum(seq.reserved_tokens for seq in self._running)
 
+    @property
+    def kv_budget_tokens(self) -> int:
+        return self.settings.max_batch_total_tokens
+
     # -- stepping ----------------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -184,7 +153,7 @@ class Engine:
         joining = self._prefill(self._admit(), outputs)
         if self._batch is not None:
             try:
-                ids, logprobs = self._batch.decode(self.model)
+                ids, logprobs = self._batch.decode(self.model, self._forward)
             except Exception:
                 self._running, self._batch = [], None
                 raise
@@ -207,10 +176,10 @@ class Engine:
         keep = [row for row, seq in enumerate(self._running) if seq.job.request_id not in cancelled]
         self._running, self._batch = self._select(self._running, self._batch, keep)
 
-    def _admit(self) -> list[_Sequence]:
+    def _admit(self) -> list[RequestState]:
         """Pop queued jobs, first come first served, while the batch, KV budget and prefill limits allow."""
         settings = self.settings
-        admitted: list[_Sequence] = []
+        admitted: list[RequestState] = []
         reserved = self.reserved_tokens
         width = 0
         while self._waiting:
@@ -230,8 +199,8 @@ class Engine:
         return admitted
 
     def _prefill(
-        self, sequences: list[_Sequence], outputs: list[StepOutput]
-    ) -> tuple[list[_Sequence], DecodeBatch] | None:
+        self, sequences: list[RequestState], outputs: list[StepOutput]
+    ) -> tuple[list[RequestState], DecodeBatch] | None:
         """Prefill the admitted sequences, emit their first tokens; return those still running."""
         if not sequences:
             return None
@@ -242,29 +211,22 @@ class Engine:
             [job.params for job in jobs],
             self._pad_id,
             [job.decoder_input_details for job in jobs],
-            self._mask_4d,
+            self._forward,
         )
         for seq, scores in zip(sequences, prompt_logprobs):
             if scores is not None:
-                seq.prefill = self._prefill_details(seq.job.input_ids, scores)
+                seq.prefill = prompt_details(self.tokenizer, seq.job.input_ids, scores, self._special_ids)
         sequences, batch = self._advance(sequences, batch, ids, logprobs, outputs)
         return None if batch is None else (sequences, batch)
 
-    def _prefill_details(self, input_ids: list[int], logprobs: list[float]) -> list[TokenInfo]:
-        texts = self.tokenizer.batch_decode([[token] for token in input_ids], skip_special_tokens=False)
-        return [
-            TokenInfo(id=token, text=text, logprob=logprob, special=token in self._special_ids)
-            for token, text, logprob in zip(input_ids, texts, [None, *logprobs])
-        ]
-
     def _advance(
         self,
-        sequences: list[_Sequence],
+        sequences: list[RequestState],
         batch: DecodeBatch,
         ids: torch.Tensor,
         logprobs: torch.Tensor,
         outputs: list[StepOutput],
-    ) -> tuple[list[_Sequence], DecodeBatch | None]:
+    ) -> tuple[list[RequestState], DecodeBatch | None]:
         """Turn each row's new token into an event; return the rows that keep running."""
         keep: list[int] = []
         for row, (seq, token, logprob) in enumerate(zip(sequences, ids.tolist(), logprobs.tolist())):
@@ -283,8 +245,8 @@ class Engine:
 
     @staticmethod
     def _select(
-        sequences: list[_Sequence], batch: DecodeBatch | None, keep: list[int]
-    ) -> tuple[list[_Sequence], DecodeBatch | None]:
+        sequences: list[RequestState], batch: DecodeBatch | None, keep: list[int]
+    ) -> tuple[list[RequestState], DecodeBatch | None]:
         """Keep the rows ``keep`` of a batch (None once no row is left)."""
         if batch is None or len(keep) == len(sequences):
             return sequences, batch
@@ -293,32 +255,11 @@ class Engine:
         batch.filter(keep)
         return [sequences[row] for row in keep], batch
 
-    def _token_event(self, seq: _Sequence, token: int, logprob: float) -> TokenEvent:
-        """Record one generated token and decide whether the request ends with it."""
-        text, stopped = seq.stream.push(token)
-        generated = len(seq.stream.ids)
-        reason: FinishReason | None = None
-        if stopped or seq.job.request_id in self._stopping:
-            reason = "stop_sequence"
-        elif token in self._eos_ids:
-            reason = "eos_token"
-        elif generated >= seq.max_new_tokens:
-            reason = "length"
-        finish = None
-        if reason is not None:
-            if not stopped:
-                rest, stopped = seq.stream.finish()
-                text += rest
-                reason = "stop_sequence" if stopped else reason
-            finish = Finish(
-                finish_reason=reason,
-                generated_tokens=generated,
-                prompt_tokens=seq.prompt_len,
-                seed=seq.job.params.seed,
-                generated_text=seq.stream.text,
-                prefill=seq.prefill,
-                queue_time=max(0.0, seq.started_at - seq.job.enqueued_at),
-                inference_time=time.time() - seq.started_at,
-            )
-        info = TokenInfo(id=token, text=text, logprob=logprob, special=token in self._special_ids)
-        return TokenEvent(index=generated - 1, token=info, finish=finish)
+    def _token_event(self, seq: RequestState, token: int, logprob: float) -> TokenEvent:
+        return seq.token_event(
+            token, logprob, stopping=seq.request_id in self._stopping, eos=token in self._eos_ids,
+            special=token in self._special_ids,
+        )
+
+
+ENGINE = TransformersEngine

@@ -1,0 +1,236 @@
+"""The engine contract: what the queue loop (:mod:`worker.main`) asks of whichever engine runs the model.
+
+The loop only admits jobs, steps, cancels, stops and reads capacity and state; it never knows which engine
+it drives. Two engines implement :class:`Engine`, each in its own module, chosen by ``Settings.engine``
+(``--engine``, env ``ENGINE``, config ``BackendConfig.engine``):
+
+- ``transformers`` (:mod:`worker.transformers_engine`): continuous batching written here over any Hugging
+  Face causal LM, on CPU, CUDA or NPU;
+- ``vllm`` (:mod:`worker.vllm_engine`): vLLM's engine (paged KV, prefix cache, CUDA graphs), for accelerator
+  throughput.
+
+What both share lives here too, so the two produce the same events for the same tokens: the per-request
+record (:class:`RequestState`), the text side (UTF-8-safe deltas, stop strings held back and excluded) and
+the rule that decides when a request ends and why (:meth:`RequestState.token_event`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from common.protocol import ErrorEvent, Finish, FinishReason, Job, TokenEvent, TokenInfo
+from common.settings import EngineName, Settings
+from worker.detokenizer import Decode, TextStream
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+ENGINE_MODULES: dict[EngineName, str] = {
+    "transformers": "worker.transformers_engine",
+    "vllm": "worker.vllm_engine",
+}
+
+
+class EngineLoadError(RuntimeError):
+    """The engine cannot serve this model here (a missing package, an unsupported model or device); the
+    message says which, in one line, so the worker can exit with it."""
+
+    @classmethod
+    def for_model(cls, path: object, exc: BaseException, what: str = "cannot load the model") -> "EngineLoadError":
+        return cls(f"{what} at {path}: {' '.join(str(exc).split())}")
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """One event for one request. ``event`` is an :class:`ErrorEvent` when this request alone failed."""
+
+    job: Job
+    event: TokenEvent | ErrorEvent
+
+    @property
+    def finished(self) -> bool:
+        """True on the request's last event (it has left the engine)."""
+        return isinstance(self.event, ErrorEvent) or self.event.finish is not None
+
+
+@dataclass
+class RequestState:
+    """Engine-side state of one request, the same in every engine."""
+
+    job: Job
+    stream: TextStream
+    max_new_tokens: int  # the request's own limit, lowered to fit the total length cap
+
+    prefill: list[TokenInfo] = field(default_factory=list)
+    started_at: float = 0.0  # unix time of admission (the prefill), for the request's queue and inference times
+
+    @property
+    def request_id(self) -> str:
+        return self.job.request_id
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.job.input_ids)
+
+    @property
+    def reserved_tokens(self) -> int:
+        """Cache tokens this request may grow to."""
+        return self.prompt_len + self.max_new_tokens
+
+    def token_event(self, token: int, logprob: float, *, stopping: bool, eos: bool, special: bool) -> TokenEvent:
+        """Record one generated token and decide whether the request ends with it: a stop string it
+        completes or a stop order (``stopping``) end it as ``stop_sequence``, then EOS, then its length."""
+        text, stopped = self.stream.push(token)
+        generated = len(self.stream.ids)
+        reason: FinishReason | None = None
+        if stopped or stopping:
+            reason = "stop_sequence"
+        elif eos:
+            reason = "eos_token"
+        elif generated >= self.max_new_tokens:
+            reason = "length"
+        finish = None
+        if reason is not None:
+            if not stopped:
+                rest, stopped = self.stream.finish()
+                text += rest
+                reason = "stop_sequence" if stopped else reason
+            finish = Finish(
+                finish_reason=reason,
+                generated_tokens=generated,
+                prompt_tokens=self.prompt_len,
+                seed=self.job.params.seed,
+                generated_text=self.stream.text,
+                prefill=self.prefill,
+                queue_time=max(0.0, self.started_at - self.job.enqueued_at),
+                inference_time=time.time() - self.started_at,
+            )
+        info = TokenInfo(id=token, text=text, logprob=logprob, special=special)
+        return TokenEvent(index=generated - 1, token=info, finish=finish)
+
+
+def new_request_state(job: Job, decode: Decode, max_total_tokens: int) -> RequestState:
+    """The state of a newly added job, its output limit lowered so prompt + output fit ``max_total_tokens``."""
+    max_new = min(job.params.max_new_tokens, max_total_tokens - len(job.input_ids))
+    return RequestState(job, TextStream(decode, job.params.stop), max_new)
+
+
+def limits_refusal(job: Job, max_total_tokens: int, vocab_size: int) -> str | None:
+    """What every engine checks: room for the prompt plus one token, and token ids inside the vocabulary."""
+    prompt_len = len(job.input_ids)
+    if prompt_len + 1 > max_total_tokens:
+        return f"{prompt_len} prompt tokens leave no room to generate within this worker's {max_total_tokens} tokens"
+    unknown = next((token for token in job.input_ids if not 0 <= token < vocab_size), None)
+    if unknown is not None:
+        return f"token id {unknown} is not in the model's vocabulary of {vocab_size}"
+    return None
+
+
+def eos_token_ids(*sources: object) -> frozenset[int]:
+    """Every EOS id declared by the given configs (a model's generation config and config; each an int, a
+    list or unset)."""
+    ids: set[int] = set()
+    for source in sources:
+        value = getattr(source, "eos_token_id", None)
+        if value is not None:
+            ids.update([value] if isinstance(value, int) else value)
+    return frozenset(ids)
+
+
+def prompt_details(
+    tokenizer: "PreTrainedTokenizerBase", input_ids: list[int], logprobs: Sequence[float | None], special_ids: frozenset[int]
+) -> list[TokenInfo]:
+    """``decoder_input_details``: each prompt token with its text and the logprob the model gave it (the
+    first token has none, so ``logprobs`` holds one fewer)."""
+    texts = tokenizer.batch_decode([[token] for token in input_ids], skip_special_tokens=False)
+    return [
+        TokenInfo(id=token, text=text, logprob=logprob, special=token in special_ids)
+        for token, text, logprob in zip(input_ids, texts, [None, *logprobs])
+    ]
+
+
+class Engine(ABC):
+    """One model on one device, running many requests at once. Not thread-safe: the queue loop calls every
+    method from one thread. A request gets one :class:`StepOutput` per generated token from :meth:`step`,
+    the last one finished; a cancelled request gets nothing more."""
+
+    #: prompt + generated tokens of one request, at most
+    max_total_tokens: int
+
+    @classmethod
+    @abstractmethod
+    def load(cls, settings: Settings) -> "Engine":
+        """Load the model of ``settings``; raises :class:`EngineLoadError` when it cannot serve it here."""
+
+    @abstractmethod
+    def refusal(self, job: Job) -> str | None:
+        """Why the job can never run here (a prompt past the limits, a token id the model lacks, a parameter
+        this engine cannot apply), or None when it can."""
+
+    @abstractmethod
+    def has_room(self) -> bool:
+        """Whether one more job could be added now without waiting behind the ones already added."""
+
+    @abstractmethod
+    def add(self, job: Job) -> None:
+        """Queue a job (one without a :meth:`refusal`, and not known already) for the following steps."""
+
+    @abstractmethod
+    def cancel(self, request_id: str) -> bool:
+        """Drop a queued or running request (it gets no further event); False if it is unknown."""
+
+    @abstractmethod
+    def stop(self, request_id: str) -> bool:
+        """End a queued or running request at its next token with finish_reason ``stop_sequence`` (its
+        client still gets a complete answer); False if it is unknown."""
+
+    @abstractmethod
+    def step(self) -> list[StepOutput]:
+        """Run one iteration; return an output per request that got a token. If the model itself fails, the
+        requests in the failed pass are dropped and the exception propagates."""
+
+    @property
+    @abstractmethod
+    def idle(self) -> bool:
+        """No request is queued or running."""
+
+    @property
+    @abstractmethod
+    def batch_size(self) -> int:
+        """Requests running (prefilled)."""
+
+    @property
+    @abstractmethod
+    def waiting(self) -> int:
+        """Requests added and not yet running."""
+
+    @property
+    @abstractmethod
+    def reserved_tokens(self) -> int:
+        """KV-cache tokens the running requests hold or have reserved."""
+
+    @property
+    @abstractmethod
+    def kv_budget_tokens(self) -> int:
+        """KV-cache tokens this engine has for all requests together."""
+
+    def close(self) -> None:
+        """Release what the engine holds outside this process (engine processes, devices)."""
+
+
+def load_engine(settings: Settings) -> Engine:
+    """The engine ``settings.engine`` names, loaded with the model of ``settings``. Each engine's module is
+    imported here, on demand: a worker of one engine never needs the other's packages."""
+    try:
+        module = importlib.import_module(ENGINE_MODULES[settings.engine])
+    except ImportError as exc:
+        raise EngineLoadError(
+            f"the {settings.engine} engine cannot be imported ({exc}); README \"Engines\" says how to install it"
+        ) from None
+    engine_class: type[Engine] = module.ENGINE
+    return engine_class.load(settings)
