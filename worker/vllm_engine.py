@@ -1,0 +1,266 @@
+"""The vLLM engine: vLLM's scheduler, paged KV cache and kernels behind the worker's engine contract.
+
+It drives vLLM's synchronous ``LLMEngine`` (``add_request`` / ``step`` / ``abort_request``), which maps one to
+one onto the contract's add / step / cancel, so the worker's queue loop stays single-threaded and does not
+change. ``LLMEngine`` runs vLLM's ``EngineCore`` in its own process, as vLLM's OpenAI server does: the core
+keeps computing while this process publishes the last step's tokens to Redis, and :meth:`step` returns the
+outputs the core has ready. (The async engine client would need an event loop in a worker whose loop is
+synchronous by design; the core client alone would mean re-implementing vLLM's input and output processing.)
+
+What this engine leaves to vLLM and what it keeps, so both engines answer the same request alike:
+
+- vLLM chooses tokens: greedy (``do_sample`` false) is temperature 0; seeded per request (``seed``), top-k/p
+  and the repetition penalty as vLLM defines them; logprobs are those of the distribution sampled from
+  (``logprobs_mode=processed_logprobs``), prompt logprobs for ``decoder_input_details``. vLLM has no
+  typical sampling: a request with ``typical_p`` < 1 is refused with a message saying so.
+- Ferry keeps the text: vLLM returns token ids only (``detokenize=False``); the shared
+  :class:`worker.engine.RequestState` makes the UTF-8-safe deltas, holds back and excludes stop strings and
+  decides the finish reason. EOS is the model's generation-config EOS set, given to vLLM as stop token ids
+  (with ``ignore_eos``) so both engines stop on the same tokens; a stop string or a stopInfer order aborts
+  the vLLM request at once.
+
+Engine arguments come from the settings (model, dtype, maxSeqLen, maxBatchSize, trustRemoteCode) plus
+``BackendConfig.vllmEngineArgs`` (env ``VLLM_ENGINE_ARGS``, a JSON object of further ``vllm.EngineArgs``
+fields, e.g. ``gpu_memory_utilization`` or ``tensor_parallel_size``). On CPU, ``VLLM_CPU_KVCACHE_SPACE`` (GiB)
+sizes the KV cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from common.protocol import ErrorEvent, Job, TokenEvent
+from common.settings import Settings
+from worker.detokenizer import make_decoder
+from worker.engine import (
+    Engine,
+    EngineLoadError,
+    RequestState,
+    StepOutput,
+    eos_token_ids,
+    limits_refusal,
+    new_request_state,
+    prompt_details,
+)
+
+try:
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+    from vllm import EngineArgs, SamplingParams, TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.llm_engine import LLMEngine
+except ImportError as exc:  # load_engine turns this into one line naming the extra to install
+    raise ImportError(f"vllm is not installed ({exc.name})") from exc
+
+log = logging.getLogger("ferry.engine.vllm")
+
+# Where a device index goes for vLLM: it takes the first visible device of its platform.
+_VISIBLE_DEVICES = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
+
+
+class VllmEngine(Engine):
+    """The contract over a ``vllm.v1.engine.llm_engine.LLMEngine``; see the module docstring."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        tokenizer: PreTrainedTokenizerBase,
+        settings: Settings,
+        eos_ids: frozenset[int],
+    ) -> None:
+        self._engine = engine
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self._decode = make_decoder(tokenizer)
+        self._eos_ids = eos_ids
+        self._special_ids = frozenset(tokenizer.all_special_ids)
+        model_config = engine.vllm_config.model_config
+        self._vocab_size = model_config.get_vocab_size()
+        self.max_total_tokens = min(settings.max_seq_len, model_config.max_model_len)
+        cache = engine.vllm_config.cache_config
+        self._kv_budget = (cache.num_gpu_blocks or 0) * cache.block_size
+        self._requests: dict[str, RequestState] = {}  # added and not finished, in order of arrival
+        self._prompt_logprobs: dict[str, list[float | None]] = {}  # decoder_input_details collected so far
+        self._stopping: set[str] = set()
+
+    @classmethod
+    def load(cls, settings: Settings) -> "VllmEngine":
+        path = str(settings.resolved_model_path)
+        remote = settings.trust_remote_code
+        kind, _, index = settings.device.partition(":")
+        if index and kind in _VISIBLE_DEVICES:
+            os.environ.setdefault(_VISIBLE_DEVICES[kind], index)
+        try:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=remote)
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=remote)
+        except (OSError, ValueError, ImportError) as exc:
+            raise EngineLoadError.for_model(path, exc) from None
+        try:
+            generation = GenerationConfig.from_pretrained(path)
+        except OSError:  # a model folder without generation_config.json
+            generation = None
+        max_positions = getattr(config.get_text_config(), "max_position_embeddings", None) or settings.max_seq_len
+        arguments: dict[str, Any] = {
+            "model": path,
+            "dtype": settings.dtype,
+            "trust_remote_code": remote,
+            "max_model_len": min(settings.max_seq_len, max_positions),
+            "max_num_seqs": settings.max_batch_size,
+            "logprobs_mode": "processed_logprobs",
+            "disable_log_stats": True,
+            **settings.vllm_engine_args,
+        }
+        try:
+            engine = LLMEngine.from_engine_args(EngineArgs(**arguments))
+        except (TypeError, ValueError, RuntimeError, OSError) as exc:
+            raise EngineLoadError.for_model(path, exc, "vLLM cannot serve the model") from None
+        return cls(engine, tokenizer, settings, eos_token_ids(generation, config))
+
+    # -- admission ---------------------------------------------------------------------------------
+
+    def refusal(self, job: Job) -> str | None:
+        if job.params.do_sample and job.params.typical_p < 1.0:
+            return "typical_p is not supported by the vllm engine (vLLM has no typical sampling)"
+        return limits_refusal(job, self.max_total_tokens, self._vocab_size)
+
+    def has_room(self) -> bool:
+        """vLLM schedules and pages the KV cache itself; the worker hands it up to maxBatchSize requests
+        (vLLM's ``max_num_seqs``), so the rest wait in the job stream where any worker can take them."""
+        return len(self._requests) < self.settings.max_batch_size
+
+    def add(self, job: Job) -> None:
+        if (reason := self.refusal(job)) is not None:
+            raise ValueError(f"request {job.request_id}: {reason}")
+        if job.request_id in self._requests:
+            raise ValueError(f"request {job.request_id} is already queued or running")
+        state = new_request_state(job, self._decode, self.max_total_tokens)
+        state.started_at = time.time()
+        [prompt] = self._engine.renderer.render_cmpl([TokensPrompt(prompt_token_ids=job.input_ids)])
+        self._engine.add_request(job.request_id, prompt, self._sampling_params(state))
+        self._requests[job.request_id] = state
+        if job.decoder_input_details:
+            self._prompt_logprobs[job.request_id] = []
+
+    def _sampling_params(self, state: RequestState) -> SamplingParams:
+        params = state.job.params
+        sampled = params.do_sample
+        return SamplingParams(
+            temperature=params.temperature if sampled else 0.0,
+            top_k=params.top_k if sampled else 0,
+            top_p=params.top_p if sampled else 1.0,
+            repetition_penalty=params.repetition_penalty,
+            seed=params.seed if sampled else None,
+            max_tokens=state.max_new_tokens,
+            ignore_eos=True,
+            stop_token_ids=sorted(self._eos_ids),
+            logprobs=0,
+            prompt_logprobs=0 if state.job.decoder_input_details else None,
+            detokenize=False,
+            skip_special_tokens=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    def cancel(self, request_id: str) -> bool:
+        known = self._forget(request_id)
+        if known:
+            self._engine.abort_request([request_id])
+        return known
+
+    def stop(self, request_id: str) -> bool:
+        known = request_id in self._requests
+        if known:
+            self._stopping.add(request_id)
+        return known
+
+    def _forget(self, request_id: str) -> bool:
+        self._stopping.discard(request_id)
+        self._prompt_logprobs.pop(request_id, None)
+        return self._requests.pop(request_id, None) is not None
+
+    # -- state -------------------------------------------------------------------------------------
+
+    @property
+    def idle(self) -> bool:
+        return not self._requests
+
+    @property
+    def batch_size(self) -> int:
+        return sum(1 for state in self._requests.values() if state.stream.ids)
+
+    @property
+    def waiting(self) -> int:
+        return sum(1 for state in self._requests.values() if not state.stream.ids)
+
+    @property
+    def reserved_tokens(self) -> int:
+        """Tokens in the KV cache of the running requests (vLLM allocates pages as they grow)."""
+        return sum(state.prompt_len + len(state.stream.ids) for state in self._requests.values() if state.stream.ids)
+
+    @property
+    def kv_budget_tokens(self) -> int:
+        return self._kv_budget
+
+    def close(self) -> None:
+        self._engine.engine_core.shutdown()
+
+    # -- stepping ----------------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        if not self._requests or not self._engine.has_unfinished_requests():
+            return outputs
+        try:
+            results = self._engine.step()
+        except Exception:
+            self._engine.abort_request(list(self._requests))
+            for request_id in list(self._requests):
+                self._forget(request_id)
+            raise
+        for result in results:
+            state = self._requests.get(result.request_id)
+            if state is None:  # cancelled while the core computed this step
+                continue
+            if result.prompt_logprobs and result.request_id in self._prompt_logprobs:
+                self._collect_prompt_logprobs(state, result.prompt_logprobs)
+            completion = result.outputs[0]
+            finished = False
+            for position, token in enumerate(completion.token_ids):
+                event = self._token_event(state, token, completion.logprobs, position)
+                outputs.append(StepOutput(state.job, event))
+                if isinstance(event, ErrorEvent) or event.finish is not None:
+                    finished = True
+                    self._forget(state.request_id)
+                    if not result.finished:  # a stop string or stop order: vLLM would go on
+                        self._engine.abort_request([state.request_id])
+                    break
+            if result.finished and not finished:
+                self._forget(state.request_id)
+                reason = completion.finish_reason or "an unknown reason"
+                outputs.append(StepOutput(state.job, ErrorEvent(message=f"vLLM ended the request early ({reason})")))
+        return outputs
+
+    def _collect_prompt_logprobs(self, state: RequestState, chunk: list[Any]) -> None:
+        """Prompt logprobs arrive with the prefill (in pieces when vLLM splits a long prompt), one entry per
+        prompt position, None for the first token."""
+        collected = self._prompt_logprobs[state.request_id]
+        for entry in chunk:
+            token = state.job.input_ids[len(collected)]
+            collected.append(None if entry is None else entry[token].logprob)
+        if len(collected) == state.prompt_len:
+            state.prefill = prompt_details(self.tokenizer, state.job.input_ids, collected[1:], self._special_ids)
+
+    def _token_event(self, state: RequestState, token: int, logprobs: Any, position: int) -> TokenEvent | ErrorEvent:
+        try:
+            logprob = logprobs[position][token].logprob if logprobs else 0.0
+            return state.token_event(
+                token, logprob, stopping=state.request_id in self._stopping, eos=token in self._eos_ids,
+                special=token in self._special_ids,
+            )
+        except Exception as exc:  # this request's text handling failed; the others go on
+            log.exception("request failed", extra={"request_id": state.request_id})
+            return ErrorEvent(message=f"generation failed: {exc}")
+
+
+ENGINE = VllmEngine
