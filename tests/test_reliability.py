@@ -156,6 +156,7 @@ def test_live_worker_keeps_its_jobs_with_heartbeats(base_engine: TransformersEng
     server = fakeredis.FakeServer()
     owner = make_loop(base_engine, server, "cpu:host:1", claim_idle_seconds=0.2)
     other = make_loop(base_engine, server, "cpu:host:2", claim_idle_seconds=0.2)
+    pod = Replies(owner.redis)  # the API pod waiting for the request
     queue_job(owner.redis, "slow", max_new_tokens=50)
     owner.run_once()
     for _ in range(4):
@@ -166,6 +167,7 @@ def test_live_worker_keeps_its_jobs_with_heartbeats(base_engine: TransformersEng
     time.sleep(0.25)  # no heartbeat: now it looks abandoned
     other.claim_abandoned()
     assert "slow" in other._inflight
+    assert len(pod.drain()["slow"]) == 1  # the token of the owner's first step
 
 
 def run_until(loop: WorkerLoop, condition: Callable[[], bool], limit: int = 200) -> None:
@@ -271,12 +273,14 @@ def test_a_wall_clock_step_does_not_expire_a_running_job(base_engine: Transforme
     moves no deadline (a CI run once saw a request time out before its e2eTimeout)."""
     server = fakeredis.FakeServer()
     loop = make_loop(base_engine, server, "cpu:host:1")
+    pod = Replies(loop.redis)
     queue_job(loop.redis, "steady", max_new_tokens=60, deadline=time.time() + 30)
     run_until(loop, lambda: loop.engine.batch_size == 1)
     wall = time.time
     monkeypatch.setattr(time, "time", lambda: wall() + 60)  # the clock jumps past the deadline
     loop.run_once()
     assert set(loop._inflight) == {"steady"} and loop.engine.batch_size == 1
+    assert not any(isinstance(event, ErrorEvent) for event in pod.drain()["steady"])
 
 
 # ============================================================================ API: exactly-once token delivery
@@ -1073,26 +1077,30 @@ def test_redis_restart_fails_in_flight_requests_then_service_resumes(cluster: Cl
 # ---------------------------------------------------------------------------- API pods dying
 
 
-def test_api_pod_killed_its_jobs_still_run_to_completion(cluster: Cluster) -> None:
-    """kill -9 an API pod mid-stream: its client loses the stream, the job still runs to its end (or
-    deadline) at the worker and is acknowledged; the other pods are unaffected."""
+def test_api_pod_killed_its_requests_are_dropped_at_once(cluster: Cluster) -> None:
+    """kill -9 an API pod with 10 open streams of 1900 tokens: its clients lose their streams, and the worker,
+    whose PUBLISHes reach nobody any more, drops the 10 requests at once (acknowledged, out of the stream)
+    instead of computing some 19,000 tokens for nobody. A pod started again (a new pod id) brings none of
+    them back; the other pods are unaffected."""
     cluster.ensure_workers(1)
-    url = cluster.pod("strict")
-    raw = RawEvents(cluster.redis, "orphan-1")
-    stream = SSE(f"{url}/generate_stream", body(30), "orphan-1")
-    stream.read(1)
-    proc, _ = cluster.pods["strict"]
+    cluster._spawn_pod("doomed", {"MAX_QUEUE_SIZE": "32"})
+    url = cluster.pod("doomed")
+    ids = [f"orphan-{i}" for i in range(10)]
+    streams = [SSE(f"{url}/generate_stream", body(1900), request_id) for request_id in ids]
+    for stream in streams:
+        stream.read(1)
+    proc, _ = cluster.pods.pop("doomed")
     proc.kill()
     proc.wait()
-    with pytest.raises(httpx.HTTPError):
-        stream.rest()
-    wait_for(lambda: not cluster.job_queued("orphan-1"), 10, "the orphaned job to end")
-    last = raw.drain(quiet=0.3)[-1]
-    raw.close()
-    if isinstance(last, ErrorEvent):
-        assert last.error_type == "incomplete_generation", last  # its deadline came first
-    else:
-        assert last.finish is not None and last.index == 29
+    killed = time.monotonic()
+    for stream in streams:
+        with pytest.raises(httpx.HTTPError):
+            stream.rest()
+    wait_for(lambda: not any(cluster.job_queued(request_id) for request_id in ids), 10, "the orphaned jobs to end")
+    assert time.monotonic() - killed < 3, "the worker went on computing for the killed pod"
+    cluster._spawn_pod("doomed", {})
+    cluster.pod("doomed")
+    assert not any(cluster.job_queued(request_id) for request_id in ids)
     assert httpx.post(f"{cluster.main_url}/generate", json=body(3), timeout=30).status_code == 200
 
 

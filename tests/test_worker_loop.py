@@ -114,3 +114,19 @@ def test_heartbeat_marks_the_worker_alive(loop: WorkerLoop) -> None:
     now = time.time()
     loop.heartbeat(now)
     assert loop.redis.zcount(keys.heartbeats("m"), now, "+inf") == 1
+
+
+def test_a_request_nobody_listens_to_is_dropped_at_its_first_token(loop: WorkerLoop) -> None:
+    """PUBLISH reaching no subscriber means the pod that queued the job is gone: the worker cancels the
+    request and acknowledges it after one step, while a request with a listener runs to its end."""
+    subscriber = loop.redis.pubsub()
+    subscriber.psubscribe("reply:heard*")
+    subscriber.get_message(timeout=1)
+    queue_job(loop, "unheard", [1, 50, 60], max_new_tokens=40)
+    queue_job(loop, "heard", [1, 50, 61], max_new_tokens=5)
+    loop.run_once()
+    loop.run_once()
+    assert set(loop._inflight) == {"heard"}
+    events = run_until_idle(loop, subscriber)
+    assert len(events) == 5 and events[-1].finish is not None
+    assert loop.redis.xpending(loop.stream, loop.group)["pending"] == 0 and loop.redis.xlen(loop.stream) == 0

@@ -274,7 +274,12 @@ class WorkerLoop:
 
     def publish(self, outputs: list[StepOutput]) -> None:
         """One round trip per step: the step's events, then the acknowledgement of the jobs that just
-        finished (after their last event), and, when the batch has room, a look for a new job."""
+        finished (after their last event), and, when the batch has room, a look for a new job.
+
+        PUBLISH answers how many subscribers got the event. The pod that queued a job subscribed to its
+        channel before queueing it (one pattern subscription per pod, for the pod's lifetime), so no
+        receiver means that pod is gone (killed, or cut off from Redis, which fails its requests): the
+        request is cancelled at once instead of being computed for nobody."""
         pipe = self.redis.pipeline(transaction=False)
         for out in outputs:
             pipe.publish(out.job.reply_channel, out.event.model_dump_json())
@@ -286,6 +291,12 @@ class WorkerLoop:
         if poll:
             pipe.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=1)
         replies = pipe.execute()
+        orphans = [out.job.request_id for out, receivers in zip(outputs, replies) if receivers == 0 and not out.finished]
+        if orphans:
+            log.warning("dropping %d requests whose API pod is gone", len(orphans))
+            for request_id in orphans:
+                self.engine.cancel(request_id)
+            self.ack(orphans)
         if poll:
             self.take_jobs(entries=replies[-1])
 
