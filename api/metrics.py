@@ -6,7 +6,9 @@ before it): ``duration`` = queue + inference as this pod saw them; queue and inf
 worker (:class:`common.protocol.Finish`). Cluster gauges (queue depth, batch sizes, live workers) are read
 from Redis at scrape time, so every pod reports the same values for them.
 
-prometheus-client exposes counters with the ``_total`` suffix of OpenMetrics: ``tgi_request_count_total``.
+prometheus-client exposes counters with the ``_total`` suffix of OpenMetrics: ``tgi_request_count_total``;
+histograms as ``_bucket``, ``_sum`` and ``_count`` series. TGI has no time-to-first-token or inter-token
+metric, so those two carry vLLM's names under Ferry's prefix.
 """
 
 from __future__ import annotations
@@ -54,11 +56,23 @@ class ApiMetrics:
         self.batch_size = gauge("tgi_batch_current_size", "Requests running, summed over live workers")
         self.batch_tokens = gauge("tgi_batch_current_max_tokens", "KV budget held, summed over live workers")
         self.live_workers = gauge("ferry_live_workers", "Workers with a live heartbeat")
+        self.time_to_first_token = histogram(
+            "ferry_time_to_first_token_seconds", "Seconds from queueing to the first token, as the pod receives it",
+            DURATION_BUCKETS,
+        )
+        self.inter_token_latency = histogram(
+            "ferry_inter_token_latency_seconds", "Seconds between two tokens of a request, as the pod receives them",
+            PER_TOKEN_BUCKETS,
+        )
 
     def request_queued(self, model: str, input_length: int, max_new_tokens: int) -> None:
         self.count.labels(model).inc()
         self.input_length.labels(model).observe(input_length)
         self.max_new_tokens.labels(model).observe(max_new_tokens)
+
+    def token_received(self, model: str, seconds: float, first: bool) -> None:
+        """A token reached the pod ``seconds`` after the previous one (after queueing, for the first)."""
+        (self.time_to_first_token if first else self.inter_token_latency).labels(model).observe(seconds)
 
     def request_refused(self, model: str, error_type: str) -> None:
         """Refused at queueing (overloaded, duplicate id, Redis unreachable): counted, and failed."""

@@ -158,11 +158,15 @@ class Submission:
         overall) or a lost Redis connection.
         """
         next_index = 0
+        last_token_at = self.queued_at
         while True:
             event = await self._receive()
             if event.index < next_index:  # a re-delivered job replays from index 0
                 continue
             next_index = event.index + 1
+            now = time.monotonic()
+            self.ctx.metrics.token_received(self.job.model, now - last_token_at, first=event.index == 0)
+            last_token_at = now
             if event.finish is not None:
                 self.finish = event.finish
             yield event

@@ -117,6 +117,9 @@ def test_every_protocol_is_counted_once(stack: Stack) -> None:
     assert delta("tgi_request_input_length_count") == 3
     assert delta("tgi_request_queue_duration_count") == 3
     assert delta("tgi_request_mean_time_per_token_duration_count") == 3
+    assert delta("ferry_time_to_first_token_seconds_count") == 3  # one first token per request
+    assert delta("ferry_inter_token_latency_seconds_count") == 2 + 3 + 1  # the gaps between the others
+    assert 0 < delta("ferry_time_to_first_token_seconds_sum") <= delta("tgi_request_duration_sum")
     assert sample(after, "tgi_queue_size", model=model) == 0  # finished jobs are deleted from the stream
     assert sample(after, "tgi_batch_current_size", model=model) is not None
     assert sample(after, "ferry_live_workers", model=model) == 1
