@@ -29,3 +29,11 @@ test: $(BIN)/.installed
 bench: $(BIN)/.installed
 	$(BIN)/pip install --quiet -e '.[test,bench]'
 	$(BIN)/python bench/serve_bench.py $(ARGS)
+
+# The engines benchmark (bench/engines_bench.py): both engines, in-process and served, against vLLM offline and
+# vLLM's own OpenAI server, which runs from a venv of its own (bench/out/vllm-venv, made on first use).
+# Writes bench/out/engines.md and engines.json. ARGS="--help" lists its options.
+.PHONY: bench-engines
+bench-engines: $(BIN)/.installed
+	$(BIN)/pip install --quiet -e '.[test,bench]'
+	$(BIN)/python bench/engines_bench.py $(ARGS)

@@ -2,7 +2,8 @@
 
 ``concurrency`` clients each send their next request as soon as the previous one is answered, until the
 fixed number of requests is served. Every request is timed on the client's monotonic clock: its start,
-the arrival of each token event (stream routes) and its end. :func:`summarize` turns the records of one
+the arrival of each token event (stream routes: TGI's, and OpenAI's streamed ``/v1/completions``, which
+bench/engines_bench.py sends to every server it compares) and its end. :func:`summarize` turns the records of one
 level into the report's numbers; the in-process engine run of bench/serve_bench.py produces the same
 records, so both paths are measured alike.
 """
@@ -22,6 +23,7 @@ import orjson
 
 STREAM_ROUTE = "/generate_stream"
 COLLECT_ROUTE = "/generate"
+COMPLETIONS_ROUTE = "/v1/completions"  # OpenAI's, streamed: the one client for Ferry and other servers alike
 
 
 @dataclass
@@ -75,7 +77,54 @@ def tgi_body(prompt: str, prompt_tokens: int, new_tokens: int, details: bool) ->
     }
 
 
-async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], stamped: bool) -> RequestRecord:
+def completion_body(model: str, prompt_ids: list[int], new_tokens: int) -> dict[str, Any]:
+    """A greedy streamed OpenAI ``/v1/completions`` request of exactly ``new_tokens`` tokens. The prompt is
+    token ids, so no server's tokenizer changes its length; ``min_tokens`` and ``ignore_eos`` (vLLM's
+    extensions; servers that do not know them ignore them) keep EOS from ending it early; the usage chunk
+    gives the number of tokens generated (a token whose text is still incomplete UTF-8 has no chunk)."""
+    return {
+        "model": model, "prompt": prompt_ids, "max_tokens": new_tokens, "min_tokens": new_tokens,
+        "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+    }
+
+
+def _tgi_event(record: RequestRecord, data: bytes, arrived: float, stamped: bool) -> bool:
+    """One TGI stream event into ``record``; True when the stream is over."""
+    event = orjson.loads(data)
+    if "error" in event:
+        record.error = f"stream error: {event['error']}"
+        return True
+    record.token_times.append(arrived)
+    record.tokens += 1
+    if stamped:  # the fake token source's text is its emission time
+        record.relay_lags.append(time.time() - float(event["token"]["text"]))
+    if event.get("generated_text") is not None:
+        record.end = arrived
+        return True
+    return False
+
+
+def _completion_event(record: RequestRecord, data: bytes, arrived: float) -> bool:
+    """One OpenAI completion chunk into ``record``; True when the stream is over (``[DONE]`` or an error).
+    ``token_times`` holds the arrival of every chunk with text; ``tokens`` comes from the usage chunk."""
+    if data.strip() == b"[DONE]":
+        record.end = arrived
+        if not record.tokens:
+            record.error = "stream ended without a usage chunk"
+        return True
+    event = orjson.loads(data)
+    if "error" in event:
+        record.error = f"stream error: {event['error']}"
+        return True
+    if any(choice.get("text") for choice in event.get("choices") or ()):
+        record.token_times.append(arrived)
+    if event.get("usage"):
+        record.tokens = event["usage"]["completion_tokens"]
+    return False
+
+
+async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], stamped: bool,
+                  openai: bool = False) -> RequestRecord:
     record = RequestRecord(start=time.perf_counter())
     async with client.stream("POST", url, json=body) as response:
         if response.status_code != 200:
@@ -91,16 +140,8 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], sta
             for line in lines:
                 if not line.startswith(b"data:"):
                     continue
-                event = orjson.loads(line[5:])
-                if "error" in event:
-                    record.error = f"stream error: {event['error']}"
-                    return record
-                record.token_times.append(arrived)
-                record.tokens += 1
-                if stamped:  # the fake token source's text is its emission time
-                    record.relay_lags.append(time.time() - float(event["token"]["text"]))
-                if event.get("generated_text") is not None:
-                    record.end = arrived
+                if (_completion_event(record, line[5:], arrived) if openai
+                        else _tgi_event(record, line[5:], arrived, stamped)):
                     return record
     record.error = "stream ended without a final event"
     return record
@@ -137,8 +178,8 @@ async def run_level(
     async def client_loop(client: httpx.AsyncClient) -> None:
         for url, body in jobs:  # a shared iterator: each request is taken by exactly one client
             try:
-                if route == STREAM_ROUTE:
-                    record = await _stream(client, url, body, stamped)
+                if route in (STREAM_ROUTE, COMPLETIONS_ROUTE):
+                    record = await _stream(client, url, body, stamped, openai=route == COMPLETIONS_ROUTE)
                 else:
                     record = await _collect(client, url, body)
             except httpx.HTTPError as exc:
