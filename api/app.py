@@ -1,16 +1,23 @@
-"""The FastAPI application of an API pod: its context, lifespan and protocol routers."""
+"""The FastAPI application of an API pod: its context, lifespan and protocol routers.
+
+Errors raised outside any route (an unknown path, a method the path does not take) answer in the error format
+of the protocol the path belongs to, never FastAPI's ``{"detail": ...}``: OpenAI's under ``/v1``, KServe's
+under ``/v2``, TGI's elsewhere (the routes themselves answer through :func:`api.errors.error_route_class`).
+"""
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request, Response
 from redis.asyncio import BlockingConnectionPool, Redis
+from starlette.exceptions import HTTPException
 
 from api import __version__, kserve, openai, ops, tgi
 from api.context import ModelInfo, ServerContext
+from api.errors import ProtocolError
 from api.relay import EventRelay
 from common.settings import Settings
 
@@ -18,6 +25,11 @@ from common.settings import Settings
 # connections" once 100 are in use (a burst of over 100 simultaneous requests); this one waits for a free one.
 REDIS_POOL_SIZE = 100
 REDIS_POOL_WAIT_SECONDS = 10.0
+# The error format of each protocol's path prefix; other paths are TGI's.
+PATH_ERRORS: tuple[tuple[str, Callable[[ProtocolError], Response]], ...] = (
+    ("/v1", openai.render_openai_error),
+    ("/v2", kserve.render_kserve_error),
+)
 
 
 def redis_client(settings: Settings) -> Redis:
@@ -26,6 +38,27 @@ def redis_client(settings: Settings) -> Redis:
         settings.redis_url, max_connections=REDIS_POOL_SIZE, timeout=REDIS_POOL_WAIT_SECONDS
     )
     return Redis.from_pool(pool)
+
+
+def render_for_path(path: str) -> Callable[[ProtocolError], Response]:
+    """The error renderer of the protocol ``path`` belongs to."""
+    return next((render for prefix, render in PATH_ERRORS if path == prefix or path.startswith(prefix + "/")),
+                tgi.render_tgi_error)
+
+
+async def http_error(request: Request, exc: HTTPException) -> Response:
+    """An error raised outside the routes (404 no such path, 405 wrong method) in the path's protocol format."""
+    if exc.status_code == 404:
+        message = f"Invalid URL ({request.method} {request.url.path}): no such route"
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        message = f"Method {request.method} is not allowed on {request.url.path} (allowed: {allowed})"
+    else:
+        message = str(exc.detail)
+    error_type = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    response = render_for_path(request.url.path)(ProtocolError(exc.status_code, message, error_type))
+    response.headers.update(exc.headers or {})
+    return response
 
 
 def create_app(settings: Settings, redis: Redis | None = None) -> FastAPI:
@@ -38,9 +71,11 @@ def create_app(settings: Settings, redis: Redis | None = None) -> FastAPI:
         relay = EventRelay(client, api_id)
         await relay.start()
         models = {entry.name: ModelInfo.load(settings, entry) for entry in settings.served_models}
+        default = next(iter(models.values()))
+        if settings.chat_template is not None:  # --chat-template replaces the default model's own
+            default.tokenizer.chat_template = settings.chat_template
         app.state.ctx = ServerContext(
-            settings=settings, redis=client, relay=relay, model=next(iter(models.values())), api_id=api_id,
-            models=models,
+            settings=settings, redis=client, relay=relay, model=default, api_id=api_id, models=models,
         )
         try:
             yield
@@ -54,6 +89,7 @@ def create_app(settings: Settings, redis: Redis | None = None) -> FastAPI:
         version=__version__,
         summary="LLM inference: TGI-compatible, KServe v2 and OpenAI-compatible APIs over Redis Streams",
         lifespan=lifespan,
+        exception_handlers={HTTPException: http_error},
     )
     app.include_router(tgi.router)
     app.include_router(kserve.router)

@@ -13,6 +13,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from api.metrics import ApiMetrics
 from api.relay import EventRelay
+from common.model_files import model_file, optional_model_file
 from common.settings import ModelEntry, Settings
 
 MAX_INPUT_TOKENS_HARD_CAP = 1024 * 1024  # SPEC.md: the token limit never exceeds 1 Mi
@@ -35,15 +36,16 @@ class ModelInfo:
     def load(cls, settings: Settings, entry: ModelEntry | None = None) -> "ModelInfo":
         """The model of ``entry``, by default the one the settings name (MODEL_NAME / MODEL_PATH)."""
         entry = entry or ModelEntry(name=settings.served_model_name, path=settings.resolved_model_path)
-        path = entry.path
-        config = json.loads((path / "config.json").read_text())
-        generation_file = path / "generation_config.json"
-        generation = json.loads(generation_file.read_text()) if generation_file.exists() else {}
+        config_file = model_file(entry.path, "config.json")
+        path = config_file.parent  # the model's folder (for a hub id, its snapshot in the Hugging Face cache)
+        config = json.loads(config_file.read_text())
+        generation_file = optional_model_file(entry.path, "generation_config.json")
+        generation = json.loads(generation_file.read_text()) if generation_file else {}
         vocab_size = int(config.get("padded_vocab_size") or config["vocab_size"])
         return cls(
             model_id=entry.name,
             path=path,
-            tokenizer=AutoTokenizer.from_pretrained(path),
+            tokenizer=AutoTokenizer.from_pretrained(str(entry.path)),
             vocab_size=vocab_size,
             max_position_embeddings=int(config.get("max_position_embeddings") or MAX_INPUT_TOKENS_HARD_CAP),
             dtype=str(config.get("torch_dtype") or config.get("dtype") or settings.dtype),

@@ -59,6 +59,8 @@ def describe_validation_errors(errors: Sequence[Any], body_sent: bool = False) -
         return str(error["ctx"]["error"])
     if error.get("type") == "json_invalid":
         return f"the body is not valid JSON: {error.get('ctx', {}).get('error', error['msg'])}"
+    if error.get("type") == "extra_forbidden":
+        return f"`{field}` is not a supported parameter"
     if error.get("type") == "missing" and not field:
         return "Input should be a valid dictionary" if body_sent else "the request body is required"
     return f"`{field}`: {error['msg']}" if field else error["msg"]

@@ -1,5 +1,6 @@
 """KServe v2 / Triton routes under ``/v2``: token inference (SPEC.md section 2), health, metadata, and
-Triton's generate extension (``/generate``, ``/generate_stream``).
+Triton's generate extension (``/generate``, ``/generate_stream``), model configuration, repository index and
+statistics extensions (``/config``, ``/v2/repository/index``, ``/stats``).
 
 A thin translation over :mod:`api.pipeline`, like :mod:`api.tgi`. Every error is KServe's
 ``{"error": "..."}``: 400 for a bad request, 404 for an unknown model, 503 when not ready, 500 when
@@ -8,8 +9,10 @@ binary tensor data extension by default: a JSON header of ``Inference-Header-Con
 then the raw little-endian tensor bytes. Responses use it when the request asks (Triton's rule).
 
 Output ``data`` holds the prompt ids followed by the generated ids (the seed's example), or only the
-generated ids with ``KSERVE_OUTPUT_INCLUDES_PROMPT=false``. The prompt is echoed exactly as sent: the
-server adds no BOS the client did not send. The model has no versions: ``versions`` is empty,
+generated ids with ``KSERVE_OUTPUT_INCLUDES_PROMPT=false``; a request without ``outputs`` gets it too (KServe
+v2: all the model's outputs). The prompt is echoed exactly as sent: the server adds no BOS the client did not
+send. Statistics are this API pod's, counted where every request ends (:meth:`api.pipeline.Submission.close`
+records them in the pod's metrics, which ``/stats`` reads). The model has no versions: ``versions`` is empty,
 ``model_version`` is ``""`` and ``/v2/models/{model}/versions/{v}/...`` answers 400.
 """
 
@@ -22,6 +25,7 @@ import numpy as np
 import orjson
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client.metrics import MetricWrapperBase
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
@@ -33,16 +37,24 @@ from api.kserve_schemas import (
     INPUT_NAME,
     OUTPUT_NAME,
     KServeErrorResponse,
+    InferenceStatistics,
     KServeGenerateRequest,
     KServeGenerateResponse,
     KServeInferRequest,
     KServeInferResponse,
     KServeInput,
+    KServeModelConfig,
+    KServeModelConfigTensor,
     KServeModelMetadata,
     KServeOutput,
     KServeServerMetadata,
+    KServeStatisticsResponse,
     KServeTensorMetadata,
+    ModelStatistics,
+    RepositoryIndexRequest,
+    RepositoryModel,
     SamplingParameters,
+    StatisticDuration,
     StopInferRequest,
 )
 from api.pipeline import (
@@ -65,9 +77,12 @@ from common.protocol import Control, SamplingParams, TokenEvent
 HEADER_LENGTH = "Inference-Header-Content-Length"
 UINT32_LE = np.dtype("<u4")
 SERVER_NAME = "ferry"
-EXTENSIONS = ("binary_tensor_data", "parameters", "generate")
+# Triton's extensions built in full (of model_repository, only the index: no load or unload)
+EXTENSIONS = ("binary_tensor_data", "parameters", "generate", "model_configuration", "statistics")
 PLATFORM = "pytorch_transformers"
 MODEL_VERSION = ""  # the model has no versions
+TENSOR_SHAPE = (1, -1)  # input0 and output0: one sequence of any length
+CONFIG_DATATYPE = f"TYPE_{DATATYPE}"  # Triton's model configuration names datatypes so
 # KServe statuses for each pipeline failure.
 PIPELINE_STATUS = {
     "validation": 400,
@@ -325,6 +340,85 @@ async def model_ready(ctx: Ctx) -> Response:
     return await _require_ready(ctx)
 
 
+def _samples(metric: MetricWrapperBase, model: str) -> dict[str, float]:
+    """One model's samples of a pod metric, by suffix: ``_count`` and ``_sum`` of a histogram, ``""`` of a gauge."""
+    [family] = metric.collect()
+    return {sample.name.removeprefix(family.name): sample.value
+            for sample in family.samples if sample.labels.get("model") == model}
+
+
+def _duration(metric: MetricWrapperBase, model: str) -> StatisticDuration:
+    samples = _samples(metric, model)
+    return StatisticDuration(count=int(samples.get("_count", 0)), ns=round(samples.get("_sum", 0.0) * 1e9))
+
+
+def _statistics(ctx: ServerContext, model: str) -> ModelStatistics:
+    """Triton's statistics of one model, from the pod's request metrics (see :class:`InferenceStatistics`)."""
+    metrics = ctx.metrics
+    success = _duration(metrics.duration, model)
+    return ModelStatistics(
+        name=model,
+        version=MODEL_VERSION,
+        last_inference=round(_samples(metrics.last_request_end, model).get("", 0.0) * 1000),
+        inference_count=success.count,
+        execution_count=success.count,
+        inference_stats=InferenceStatistics(
+            success=success,
+            fail=_duration(metrics.failure_duration, model),
+            queue=_duration(metrics.queue_duration, model),
+            compute_infer=_duration(metrics.inference_duration, model),
+        ),
+    )
+
+
+@router.get("/models/stats", response_model=KServeStatisticsResponse)
+async def all_statistics(ctx: Ctx) -> KServeStatisticsResponse:
+    """Triton's statistics extension for every served model: this pod's counts and times since it started."""
+    return KServeStatisticsResponse(model_stats=[_statistics(ctx, model) for model in ctx.models])
+
+
+@router.get(
+    "/models/{model}/stats",
+    dependencies=KnownModel,
+    response_model=KServeStatisticsResponse,
+    responses={404: ERROR_RESPONSES[404]},
+)
+async def model_statistics(ctx: Ctx) -> KServeStatisticsResponse:
+    """Triton's statistics extension for one model: this pod's counts and times since it started."""
+    return KServeStatisticsResponse(model_stats=[_statistics(ctx, ctx.model.model_id)])
+
+
+@router.get(
+    "/models/{model}/config",
+    dependencies=KnownModel,
+    response_model=KServeModelConfig,
+    responses={404: ERROR_RESPONSES[404]},
+)
+async def model_config(ctx: Ctx) -> KServeModelConfig:
+    """Triton's model configuration extension: the tensors as the metadata gives them, no Triton batching."""
+    return KServeModelConfig(
+        name=ctx.model.model_id,
+        platform=PLATFORM,
+        max_batch_size=0,
+        input=[KServeModelConfigTensor(name=INPUT_NAME, data_type=CONFIG_DATATYPE, dims=list(TENSOR_SHAPE))],
+        output=[KServeModelConfigTensor(name=OUTPUT_NAME, data_type=CONFIG_DATATYPE, dims=list(TENSOR_SHAPE))],
+    )
+
+
+@router.post("/repository/index", response_model=list[RepositoryModel])
+async def repository_index(ctx: Ctx, body: RepositoryIndexRequest | None = None) -> list[RepositoryModel]:
+    """Triton's model repository extension: every served model, READY while a worker of it is alive, else
+    UNAVAILABLE with the reason; ``{"ready": true}`` lists the ready ones only."""
+    index = []
+    for name in ctx.models:
+        served = ctx.for_model(name)
+        assert served is not None  # a name of ctx.models
+        reason = await unready_reason(served)
+        index.append(RepositoryModel(name=name, version=MODEL_VERSION, state="UNAVAILABLE" if reason else "READY",
+                                     reason=reason or ""))
+    return [entry for entry in index if entry.state == "READY"] if body and body.ready else index
+
+
 @router.get("", response_model=KServeServerMetadata)
 async def server_metadata() -> KServeServerMetadata:
     return KServeServerMetadata(name=SERVER_NAME, version=__version__, extensions=list(EXTENSIONS))
@@ -341,8 +435,8 @@ async def model_metadata(ctx: Ctx) -> KServeModelMetadata:
         name=ctx.model.model_id,
         versions=[],
         platform=PLATFORM,
-        inputs=[KServeTensorMetadata(name=INPUT_NAME, datatype=DATATYPE, shape=[1, -1])],
-        outputs=[KServeTensorMetadata(name=OUTPUT_NAME, datatype=DATATYPE, shape=[1, -1])],
+        inputs=[KServeTensorMetadata(name=INPUT_NAME, datatype=DATATYPE, shape=list(TENSOR_SHAPE))],
+        outputs=[KServeTensorMetadata(name=OUTPUT_NAME, datatype=DATATYPE, shape=list(TENSOR_SHAPE))],
     )
 
 

@@ -13,7 +13,7 @@ server's documents put them). A parameter set in more than one place must have t
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
@@ -183,7 +183,7 @@ class KServeInferRequest(SamplingParameters):
 
     id: str | None = None
     inputs: list[KServeInput]
-    outputs: list[KServeRequestedOutput]
+    outputs: list[KServeRequestedOutput] | None = None  # absent, null or []: output0 (KServe v2)
     parameters: Annotated[RequestParameters, NullIsEmpty] = Field(default_factory=RequestParameters)
 
     _sampling: SamplingParameters = PrivateAttr()
@@ -204,9 +204,9 @@ class KServeInferRequest(SamplingParameters):
 
     @field_validator("outputs")
     @classmethod
-    def _outputs(cls, v: list[KServeRequestedOutput]) -> list[KServeRequestedOutput]:
-        if len(v) != 1:
-            raise ValueError(f"`outputs` must name exactly one output, '{OUTPUT_NAME}'. Given: {len(v)}")
+    def _outputs(cls, v: list[KServeRequestedOutput] | None) -> list[KServeRequestedOutput] | None:
+        if v and len(v) != 1:
+            raise ValueError(f"`outputs` must name at most one output, '{OUTPUT_NAME}'. Given: {len(v)}")
         return v
 
     @model_validator(mode="after")
@@ -229,7 +229,7 @@ class KServeInferRequest(SamplingParameters):
     @property
     def binary_output(self) -> bool:
         """Triton's rule: the output's ``binary_data``, else the request's ``binary_data_output``, else JSON."""
-        own = self.outputs[0].parameters.binary_data
+        own = self.outputs[0].parameters.binary_data if self.outputs else None
         return own if own is not None else bool(self.parameters.binary_data_output)
 
 
@@ -322,6 +322,76 @@ class KServeModelMetadata(BaseModel):
     platform: str
     inputs: list[KServeTensorMetadata]
     outputs: list[KServeTensorMetadata]
+
+
+class KServeModelConfigTensor(BaseModel):
+    """A tensor of Triton's model configuration (``data_type`` in Triton's ``TYPE_`` form)."""
+
+    name: str
+    data_type: str
+    dims: list[int] = Field(description="-1 is a dimension of any size")
+
+
+class KServeModelConfig(BaseModel):
+    """Triton's model configuration (``GET /v2/models/{model}/config``), the fields that describe this model:
+    ``max_batch_size`` 0 means the batch dimension is part of ``dims`` (the explicit ``[1, n]``)."""
+
+    name: str
+    platform: str
+    max_batch_size: int
+    input: list[KServeModelConfigTensor]
+    output: list[KServeModelConfigTensor]
+
+
+class RepositoryIndexRequest(BaseModel):
+    """Body of ``POST /v2/repository/index`` (optional): ``ready`` true lists only the models ready now."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    ready: bool | None = None
+
+
+class RepositoryModel(BaseModel):
+    name: str
+    version: str
+    state: Literal["READY", "UNAVAILABLE"] = Field(description="UNAVAILABLE comes with the reason")
+    reason: str
+
+
+class StatisticDuration(BaseModel):
+    count: int = 0
+    ns: int = Field(0, description="nanoseconds, summed over the counted requests")
+
+
+class InferenceStatistics(BaseModel):
+    """Triton's per-model durations: ``success`` and ``fail`` from queueing to the end, ``queue`` waiting for
+    a worker, ``compute_infer`` the worker's generation; input and output handling are part of ``success``
+    (not timed apart: zero), and there is no response cache (zero)."""
+
+    success: StatisticDuration
+    fail: StatisticDuration
+    queue: StatisticDuration
+    compute_input: StatisticDuration = Field(default_factory=StatisticDuration)
+    compute_infer: StatisticDuration
+    compute_output: StatisticDuration = Field(default_factory=StatisticDuration)
+    cache_hit: StatisticDuration = Field(default_factory=StatisticDuration)
+    cache_miss: StatisticDuration = Field(default_factory=StatisticDuration)
+
+
+class ModelStatistics(BaseModel):
+    name: str
+    version: str
+    last_inference: int = Field(description="milliseconds since the epoch when the last request ended, 0: none yet")
+    inference_count: int = Field(description="requests that finished")
+    execution_count: int = Field(description="generations run: one per finished request")
+    inference_stats: InferenceStatistics
+    batch_stats: list[Any] = Field(default_factory=list, description="none: workers batch across requests")
+
+
+class KServeStatisticsResponse(BaseModel):
+    """``GET /v2/models/stats`` and ``/v2/models/{model}/stats``: this API pod's counts since it started."""
+
+    model_stats: list[ModelStatistics]
 
 
 class StopInferRequest(BaseModel):

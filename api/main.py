@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import ssl
+import sys
 from typing import Any
 
 import uvicorn
 
 from api.app import create_app
 from common.logs import configure_logging
-from common.process import freeze_startup_heap
+from common.model_files import ModelUnavailable, model_file
+from common.process import command_parser, freeze_startup_heap
 from common.settings import Settings, settings_or_exit
 
 
@@ -25,12 +27,25 @@ def tls_options(settings: Settings) -> dict[str, Any]:
     return options
 
 
-def serve(settings: Settings) -> None:
-    """Serve the API app in the foreground until SIGINT/SIGTERM, then drain gracefully."""
+def check_models(settings: Settings, prog: str) -> None:
+    """Stop the command with one line when a served model's files cannot be had (a missing folder, a hub id
+    not cached while offline): the app's start-up would fail on it with a traceback instead."""
+    for entry in settings.served_models:
+        try:
+            model_file(entry.path, "config.json")
+        except ModelUnavailable as exc:
+            print(f"{prog}: {exc}", file=sys.stderr)
+            raise SystemExit(1) from None
+
+
+def api_server(settings: Settings, prog: str) -> uvicorn.Server:
+    """The API app under uvicorn, for :func:`run_server`; ``server.should_exit = True`` stops it from any
+    thread."""
     configure_logging(settings.log_format, settings.log_level)
+    check_models(settings, prog)
     app = create_app(settings)
     freeze_startup_heap()
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
@@ -39,14 +54,33 @@ def serve(settings: Settings) -> None:
         timeout_graceful_shutdown=settings.shutdown_grace_seconds + 5,
         **tls_options(settings),
     )
+    return uvicorn.Server(config)
+
+
+def run_server(server: uvicorn.Server) -> None:
+    """Serve in the foreground until SIGINT/SIGTERM, then drain gracefully; exit status 3 when the app did not
+    start (uvicorn logged why). As in ``uvicorn.run``: uvicorn re-raises the signal once drained, and SIGINT's
+    KeyboardInterrupt ends the run quietly (SIGTERM's default action ends the process)."""
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
+    if not server.started:
+        raise SystemExit(3)
+
+
+def serve(settings: Settings) -> None:
+    """``ferry-api``'s pod in the foreground."""
+    run_server(api_server(settings, "ferry-api"))
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = command_parser("ferry-api", __doc__)
     parser.add_argument("--redis-url", help="overrides REDIS_URL")
-    parser.add_argument("--model-path", help="model folder (tokenizer and config.json); overrides MODEL_PATH")
+    parser.add_argument("--model-path", help="model folder or Hugging Face model id (its tokenizer and "
+                        "config.json); overrides MODEL_PATH")
     parser.add_argument("--host", help="overrides HOST")
     parser.add_argument("--port", type=int, help="overrides PORT")
+    parser.add_argument("--chat-template", help="chat template file or inline Jinja for /v1/chat/completions; "
+                        "overrides CHAT_TEMPLATE")
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if v is not None}
     serve(settings_or_exit("ferry-api", **overrides))

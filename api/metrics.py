@@ -64,6 +64,11 @@ class ApiMetrics:
             "ferry_inter_token_latency_seconds", "Seconds between two tokens of a request, as the pod receives them",
             PER_TOKEN_BUCKETS,
         )
+        self.failure_duration = histogram(
+            "ferry_request_failure_duration_seconds", "Seconds from queueing to the failure (0: refused at queueing)",
+            DURATION_BUCKETS,
+        )
+        self.last_request_end = gauge("ferry_last_request_timestamp_seconds", "Unix time the last request ended")
 
     def request_queued(self, model: str, input_length: int, max_new_tokens: int) -> None:
         self.count.labels(model).inc()
@@ -77,10 +82,12 @@ class ApiMetrics:
     def request_refused(self, model: str, error_type: str) -> None:
         """Refused at queueing (overloaded, duplicate id, Redis unreachable): counted, and failed."""
         self.count.labels(model).inc()
-        self.request_failed(model, error_type)
+        self.request_failed(model, error_type, 0.0)
 
-    def request_failed(self, model: str, error_type: str) -> None:
+    def request_failed(self, model: str, error_type: str, duration: float) -> None:
         self.failure.labels(model, error_type).inc()
+        self.failure_duration.labels(model).observe(duration)
+        self.last_request_end.labels(model).set_to_current_time()
 
     def request_finished(self, model: str, finish: Finish, duration: float) -> None:
         self.success.labels(model).inc()
@@ -89,6 +96,7 @@ class ApiMetrics:
         self.inference_duration.labels(model).observe(finish.inference_time)
         self.time_per_token.labels(model).observe(finish.inference_time / max(finish.generated_tokens, 1))
         self.generated_tokens.labels(model).observe(finish.generated_tokens)
+        self.last_request_end.labels(model).set_to_current_time()
 
     def observe_cluster(self, states: list[ModelState]) -> None:
         """Set the cluster gauges from a fresh read of Redis."""

@@ -2,14 +2,19 @@
 
 A thin translation over :mod:`api.pipeline`, like :mod:`api.tgi`. Every error is OpenAI's
 ``{"error": {"message", "type", "param", "code"}}``: 400 ``invalid_request_error`` for a bad request
-(OpenAI answers validation errors with 400, not 422), 404 ``model_not_found`` for a ``model`` other than the
-served one, 5xx ``server_error`` when generation fails. A failure after a stream started is a last
+(OpenAI answers validation errors with 400, not 422), 404 ``model_not_found`` for a ``model`` the pod does
+not serve, 5xx ``server_error`` when generation fails. A failure after a stream started is a last
 ``data: {"error": {...}}`` event; a stream that ends normally ends with ``data: [DONE]``.
 
+Models: a request is for the model its ``model`` names. When the pod serves one model, any name is that
+model, as TGI does (``huggingface_hub`` sends ``"dummy"``, TGI's documents ``"tgi"``); with several, a name
+it does not serve is 404. The chat template is the model's own, or ``--chat-template`` for the default model
+(applied to its tokenizer at start-up, :mod:`api.app`).
+
 Sampling: ``temperature`` 0 (below 1e-5, as vLLM) is greedy, anything else samples (OpenAI's default is 1);
-``top_k`` is the model's default, as on the TGI routes. ``max_tokens`` is capped at maxIterTimes (SPEC.md),
-defaults to 16 on completions (OpenAI's default) and to maxIterTimes on chat. A negative ``seed`` is used
-modulo 2^64.
+``top_k`` (vLLM's extra; -1 and 0 are off) defaults to the model's default, as on the TGI routes.
+``max_tokens`` is capped at maxIterTimes (SPEC.md), defaults to 16 on completions (OpenAI's default) and to
+maxIterTimes on chat. A negative ``seed`` is used modulo 2^64.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from jinja2 import TemplateError
 from pydantic import BaseModel
 
-from api.context import ServerContext, get_ctx
+from api.context import ModelInfo, ServerContext, get_ctx
 from api.errors import VALIDATION_PREFIX, ProtocolError, error_route_class, pipeline_error
 from api.openai_schemas import (
     ChatChoice,
@@ -108,12 +113,21 @@ def _invalid(message: str, param: str | None, code: str = "validation") -> Proto
     return ProtocolError(400, VALIDATION_PREFIX + message, code, param)
 
 
-def _check_model(ctx: ServerContext, model: str) -> None:
-    if model != ctx.model.model_id:
-        raise ProtocolError(
-            404, f"The model `{model}` does not exist: this server serves `{ctx.model.model_id}`.", "model_not_found",
-            "model",
-        )
+def _unknown_model(ctx: ServerContext, model: str) -> ProtocolError:
+    served = ", ".join(f"`{name}`" for name in ctx.models)
+    return ProtocolError(404, f"The model `{model}` does not exist: this server serves {served}.", "model_not_found",
+                         "model")
+
+
+def model_context(ctx: ServerContext, model: str) -> ServerContext:
+    """The context of the model a request names: with one model served, any name is that model (TGI ignores
+    the name: ``huggingface_hub`` sends ``"dummy"``); with several, a name the pod does not serve is 404."""
+    if len(ctx.models) == 1:
+        return ctx
+    named = ctx.for_model(model)
+    if named is None:
+        raise _unknown_model(ctx, model)
+    return named
 
 
 def _check_prompt_length(ctx: ServerContext, field: str, ids: list[int]) -> None:
@@ -128,20 +142,28 @@ def _sampling(
     """The OpenAI sampling fields as the pipeline's, every default resolved."""
     temperature = 1.0 if body.temperature is None else body.temperature
     greedy = temperature < GREEDY_TEMPERATURE
+    vocab_size = ctx.model.vocab_size
+    bad = next((i for i in body.stop_token_ids or () if i >= vocab_size), None)
+    if bad is not None:
+        raise _invalid(f"`stop_token_ids` must be < the vocabulary size {vocab_size}. Given: {bad}", "stop_token_ids")
+    top_k = ctx.model.default_top_k if body.top_k is None else max(body.top_k, 0)  # vLLM: -1 and 0 are off
     return SamplingParams(
         do_sample=not greedy,
         temperature=1.0 if greedy else temperature,
-        top_k=min(ctx.model.default_top_k, ctx.model.vocab_size),
+        top_k=min(top_k, vocab_size),
         top_p=1.0 if body.top_p is None else body.top_p,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         seed=random_seed() if body.seed is None else body.seed % 2**64,
         max_new_tokens=effective_max_new_tokens(ctx, max_tokens, default_max_tokens),
         stop=body.stop or [],
+        stop_token_ids=body.stop_token_ids or [],
+        ignore_eos=bool(body.ignore_eos),
     )
 
 
 async def to_completion_request(ctx: ServerContext, body: CompletionRequest, request_id: str) -> GenerationRequest:
-    """``/v1/completions`` as a pipeline request: the prompt tokenized (or its ids checked), defaults resolved."""
-    _check_model(ctx, body.model)
+    """``/v1/completions`` as a pipeline request for the model of ``ctx`` (:func:`model_context`): the prompt
+    tokenized (or its ids checked), defaults resolved."""
     if isinstance(body.prompt, str):
         ids = await tokenize(ctx, body.prompt)
     else:
@@ -156,10 +178,10 @@ async def to_completion_request(ctx: ServerContext, body: CompletionRequest, req
 
 
 async def to_chat_request(ctx: ServerContext, body: ChatCompletionRequest, request_id: str) -> GenerationRequest:
-    """``/v1/chat/completions`` as a pipeline request: the messages rendered with the model's chat template
-    (ending with the assistant's turn), then tokenized without adding special tokens, as ``transformers`` and
-    vLLM do (a template that starts with BOS would otherwise get two)."""
-    _check_model(ctx, body.model)
+    """``/v1/chat/completions`` as a pipeline request for the model of ``ctx`` (:func:`model_context`): the
+    messages rendered with the model's chat template (ending with the assistant's turn), then tokenized without
+    adding special tokens, as ``transformers`` and vLLM do (a template that starts with BOS would otherwise get
+    two)."""
     tokenizer = ctx.model.tokenizer
     if tokenizer.chat_template is None:
         raise _invalid(f"the model `{ctx.model.model_id}` has no chat template, so it cannot take `messages`: "
@@ -290,6 +312,7 @@ async def _respond(
 @router.post("/completions", responses={**ERROR_RESPONSES, 200: {"model": Completion, **STREAM_RESPONSE}})
 async def completions(body: CompletionRequest, ctx: Ctx, http: Request) -> Response:
     """Text completion of one prompt (a string or token ids)."""
+    ctx = model_context(ctx, body.model)
     shape = CompletionShape(id=f"cmpl-{new_request_id()}", created=int(time.time()), model=ctx.model.model_id)
     return await _respond(ctx, body, await to_completion_request(ctx, body, shape.id), shape, http)
 
@@ -297,22 +320,26 @@ async def completions(body: CompletionRequest, ctx: Ctx, http: Request) -> Respo
 @router.post("/chat/completions", responses={**ERROR_RESPONSES, 200: {"model": ChatCompletion, **STREAM_RESPONSE}})
 async def chat_completions(body: ChatCompletionRequest, ctx: Ctx, http: Request) -> Response:
     """The assistant's reply to the messages, rendered with the model's chat template."""
+    ctx = model_context(ctx, body.model)
     shape = ChatShape(id=f"chatcmpl-{new_request_id()}", created=int(time.time()), model=ctx.model.model_id)
     return await _respond(ctx, body, await to_chat_request(ctx, body, shape.id), shape, http)
 
 
-def _model_card(ctx: ServerContext) -> ModelCard:
-    """The served model; ``created`` is when its weights' config was written."""
-    created = int((ctx.model.path / "config.json").stat().st_mtime)
-    return ModelCard(id=ctx.model.model_id, created=created, owned_by=OWNED_BY)
+def _model_card(model: ModelInfo) -> ModelCard:
+    """A served model; ``created`` is when its weights' config was written."""
+    created = int((model.path / "config.json").stat().st_mtime)
+    return ModelCard(id=model.model_id, created=created, owned_by=OWNED_BY)
 
 
 @router.get("/models", response_model=ModelList)
 async def list_models(ctx: Ctx) -> ModelList:
-    return ModelList(data=[_model_card(ctx)])
+    """Every model the pod serves, the default one first."""
+    return ModelList(data=[_model_card(model) for model in ctx.models.values()])
 
 
 @router.get("/models/{model:path}", response_model=ModelCard, responses={404: ERROR_RESPONSES[404]})
 async def retrieve_model(model: str, ctx: Ctx) -> ModelCard:
-    _check_model(ctx, model)
-    return _model_card(ctx)
+    """A served model by its exact name (a lookup, unlike inference, takes no stand-in name)."""
+    if model not in ctx.models:
+        raise _unknown_model(ctx, model)
+    return _model_card(ctx.models[model])

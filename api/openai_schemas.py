@@ -2,9 +2,12 @@
 ``/v1/models``).
 
 Field rules live on the models, one validator per rule, each message naming its field; rules that need the
-tokenizer, the model or the server limits live in :mod:`api.openai`. ``null`` means unset everywhere, and
-unknown fields are ignored (as vLLM does). OpenAI parameters that would change the output but are not
-implemented are rejected with a clear message instead of being silently ignored.
+tokenizer, the model or the server limits live in :mod:`api.openai`. ``null`` means unset everywhere. Nothing
+is silently dropped: a body field is honoured (OpenAI's, and vLLM's sampling extras ``top_k``,
+``repetition_penalty``, ``ignore_eos`` and ``stop_token_ids``), rejected with a message naming it (OpenAI
+parameters asking for what is not built, and any field not declared here, such as vLLM's ``min_p``), or
+accepted and ignored because it cannot change the output (``user``, ``metadata``, ``parallel_tool_calls``;
+README lists them).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Field,
     ValidationError,
     ValidationInfo,
     ValidatorFunctionWrapHandler,
@@ -22,11 +26,12 @@ from pydantic import (
     model_validator,
 )
 
-from api.pipeline import MAX_INPUT_CHARS, check_text, validate_stop
+from api.pipeline import MAX_INPUT_CHARS, MAX_STOP_ITEMS, check_text, validate_stop
 from api.ranges import in_range
 
 OPENAI_MAX_STOP = 4  # OpenAI's cap on stop sequences, stricter than the pipeline's
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 TOOL_ROLES = ("tool", "function")
 
@@ -38,17 +43,17 @@ def _unsupported(field: str, value: Any, why: str) -> ValueError:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")  # e.g. vLLM's continuous_usage_stats is not built
 
     include_usage: bool | None = None
 
 
 class SamplingRequest(BaseModel):
-    """The fields ``/v1/completions`` and ``/v1/chat/completions`` share."""
+    """The fields ``/v1/completions`` and ``/v1/chat/completions`` share; any other field is rejected."""
 
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
-    model: str
+    model: str = Field(description="with one model served, any name (TGI's rule); with several, one of them")
     max_tokens: Annotated[int | None, in_range("`max_tokens` must be strictly positive. Given: {v}", gt=0)] = None
     temperature: Annotated[
         float | None, in_range("`temperature` must be >= 0 and <= 2 (0 = greedy). Given: {v}", ge=0.0, le=2.0)
@@ -61,8 +66,20 @@ class SamplingRequest(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # accepted and ignored: it only identifies the end user to OpenAI
+    metadata: dict[str, str] | None = None  # accepted and ignored: tags for OpenAI's dashboards
     stream: bool | None = None
     stream_options: StreamOptions | None = None
+    # vLLM's sampling extras
+    top_k: Annotated[
+        int | None, in_range(f"`top_k` must be -1 or 0 (off) or a positive integer <= {INT32_MAX}. Given: {{v}}",
+                             ge=-1, le=INT32_MAX)
+    ] = None
+    repetition_penalty: Annotated[
+        float | None, in_range("`repetition_penalty` must be strictly positive (1 = off). Given: {v}", gt=0.0)
+    ] = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    min_tokens: int | None = None
 
     @field_validator("n")
     @classmethod
@@ -99,6 +116,23 @@ class SamplingRequest(BaseModel):
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         if v:
             raise _unsupported("logit_bias", v, "is not supported yet, only an empty object")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and len(v) > MAX_STOP_ITEMS:
+            raise ValueError(f"`stop_token_ids` supports up to {MAX_STOP_ITEMS} ids. Given: {len(v)}")
+        bad = next((i for i in v or () if i < 0), None)
+        if bad is not None:
+            raise ValueError(f"`stop_token_ids` must be token ids, >= 0. Given: {bad}")
+        return v
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_tokens(cls, v: int | None) -> int | None:
+        if v:
+            raise _unsupported("min_tokens", v, "is not supported yet, only 0 (EOS may end the output at any length)")
         return v
 
     @field_validator("stream_options")
@@ -228,6 +262,7 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # accepted and ignored: there are no tools to call
 
     @field_validator("messages")
     @classmethod

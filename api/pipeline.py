@@ -233,7 +233,7 @@ class Submission:
         model, finish, extra = self.job.model, self.finish, {"request_id": self.request_id}
         if finish is None:
             failure = self.failure or "cancelled"
-            self.ctx.metrics.request_failed(model, failure)
+            self.ctx.metrics.request_failed(model, failure, self.elapsed)
             log.info("request ended unfinished (%s) after %.3f s", failure, self.elapsed, extra=extra)
             return
         self.ctx.metrics.request_finished(model, finish, self.elapsed)

@@ -30,6 +30,10 @@ class SamplingParams(BaseModel):
     seed: int = Field(..., ge=0, lt=2**64)
     max_new_tokens: int = Field(..., gt=0)
     stop: list[str] = Field(default_factory=list, description="stop strings, excluded from the output")
+    stop_token_ids: list[int] = Field(
+        default_factory=list, description="token ids that end the request as a stop string does; the token is kept"
+    )
+    ignore_eos: bool = Field(False, description="go on past the model's EOS tokens (to max_new_tokens)")
 
 
 class Job(BaseModel):

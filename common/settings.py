@@ -28,6 +28,8 @@ import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import jinja2
+import jinja2.ext
 from pydantic import (
     AliasChoices,
     BaseModel,
@@ -65,6 +67,35 @@ def _spec(section: Section | None, key: str, env: str) -> dict[str, Any]:
 def default_model_dir() -> Path:
     """Where the embedded mode keeps the tiny model it makes on first start."""
     return Path(os.environ.get("FERRY_HOME", Path.home() / ".cache" / "ferry")) / "tiny-llama"
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """transformers' ``{% generation %}...{% endgeneration %}`` block (it marks the assistant's text), so that
+    templates using it parse here as they do in transformers."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def load_chat_template(value: str) -> str:
+    """The text of a chat template given as a file path or inline (vLLM's ``--chat-template`` rule: a value that
+    names no file but holds ``{`` is the template itself), checked to be valid Jinja, so that a broken template
+    stops the pod at start-up instead of failing every chat request."""
+    try:
+        text = Path(value).expanduser().read_text()
+    except (OSError, ValueError) as exc:  # ValueError: not a possible path (a NUL character)
+        if "{" not in value:
+            reason = getattr(exc, "strerror", None) or exc
+            raise ValueError(f"cannot read the chat template file {value}: {reason}") from None
+        text = value
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols", _GenerationBlock]).parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"the chat template is not valid Jinja: {exc.message} (line {exc.lineno})") from None
+    return text
 
 
 class ModelEntry(BaseModel):
@@ -196,6 +227,11 @@ class Settings(BaseSettings):
     kserve_output_includes_prompt: bool = Field(
         True, **_spec("ServerConfig", "kserveOutputIncludesPrompt", "KSERVE_OUTPUT_INCLUDES_PROMPT")
     )
+    chat_template: str | None = Field(
+        None, description="the default model's chat template for /v1/chat/completions: a file or inline Jinja; "
+        "held here as the template's text",
+        **_spec("ServerConfig", "chatTemplate", "CHAT_TEMPLATE"),
+    )
 
     # Reliability (docs/reliability.md)
     max_queue_size: int = Field(1024, gt=0, **_spec("ScheduleConfig", "maxQueueSize", "MAX_QUEUE_SIZE"))
@@ -218,6 +254,10 @@ class Settings(BaseSettings):
     log_level: str = Field("INFO", **_spec("LogConfig", "logLevel", "LOG_LEVEL"))
     worker_metrics_port: int = Field(
         0, ge=0, le=65535, description="0: off", **_spec("BackendConfig", "workerMetricsPort", "WORKER_METRICS_PORT")
+    )
+    worker_metrics_host: str = Field(
+        "127.0.0.1", min_length=1, description="the address the worker's metrics listen on (0.0.0.0: every interface)",
+        **_spec("BackendConfig", "workerMetricsHost", "WORKER_METRICS_HOST"),
     )
 
     # Worker engine (README "Engines")
@@ -260,6 +300,11 @@ class Settings(BaseSettings):
         if value != 0:
             raise ValueError("only 0 (reject input over maxInputTokenLen) is supported; -1 and 1 are not built")
         return value
+
+    @field_validator("chat_template")
+    @classmethod
+    def _load_chat_template(cls, value: str | None) -> str | None:
+        return None if value is None else load_chat_template(value)
 
     @field_validator("log_level")
     @classmethod

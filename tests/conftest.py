@@ -18,7 +18,7 @@ import httpx
 import pytest
 import redis
 
-from worker.tiny_model import ensure_tiny_model
+from worker.tiny_model import CHAT_TEMPLATE, ensure_tiny_model  # the tiny model's template, for chat tests
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -27,14 +27,6 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The project's tiny Llama model, made once per test session."""
     return ensure_tiny_model(tmp_path_factory.getbasetemp() / "tiny-llama")
-
-
-# A ChatML-like template for tests of chat routes (the tiny model itself has none); it starts with BOS, as
-# Llama's templates do.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 @pytest.fixture(scope="session")

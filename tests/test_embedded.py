@@ -1,4 +1,5 @@
-"""The one-command server: embedded Redis (fakeredis or a private redis-server), tiny model made on start."""
+"""The one-command server: embedded Redis (fakeredis or a private redis-server), tiny model made on start, and
+its lifecycle: every child process gone after SIGTERM or kill -9, a worker's exit stopping it all."""
 
 from __future__ import annotations
 
@@ -7,18 +8,26 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
+import redis
 
 from tests.conftest import free_port, wait_healthy
+
+GRACE_SECONDS = 2  # SHUTDOWN_GRACE_SECONDS of the servers started here
+needs_redis_server = pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server on PATH")
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; parent-death signal")
 
 
 def run_server(tmp_path: Path, tiny_model_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "MODEL_PATH", "MODEL_NAME")}
     env["FERRY_HOME"] = str(tmp_path / "home")
+    env["SHUTDOWN_GRACE_SECONDS"] = str(GRACE_SECONDS)
     # The tiny model is made on first start when missing; reuse the session's copy to save time.
     (tmp_path / "home").mkdir()
     shutil.copytree(tiny_model_path, tmp_path / "home" / "tiny-llama")
@@ -38,18 +47,17 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         pytest.fail("ferry-server did not stop on SIGINT")
 
 
-@pytest.mark.parametrize(
-    "redis_kind",
-    [
-        "fake",
-        pytest.param(
-            "redis-server",
-            marks=pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server on PATH"),
-        ),
-    ],
-)
+def server_output(tmp_path: Path) -> str:
+    return (tmp_path / "server.log").read_text(errors="replace")
+
+
+@pytest.mark.parametrize("redis_kind", ["fake", pytest.param("redis-server", marks=needs_redis_server)])
 def test_embedded_server_answers(tmp_path: Path, tiny_model_path: Path, redis_kind: str) -> None:
-    proc, base_url = run_server(tmp_path, tiny_model_path, "--embedded-redis", redis_kind)
+    """It serves; ``--redis-port`` puts the embedded Redis (either kind) on that port."""
+    redis_port = free_port()
+    proc, base_url = run_server(
+        tmp_path, tiny_model_path, "--embedded-redis", redis_kind, "--redis-port", str(redis_port)
+    )
     try:
         wait_healthy(base_url, [proc])
         body = {"inputs": "def main(", "parameters": {"max_new_tokens": 5, "details": True}}
@@ -57,8 +65,126 @@ def test_embedded_server_answers(tmp_path: Path, tiny_model_path: Path, redis_ki
         assert resp.status_code == 200, resp.text
         assert resp.json()[0]["details"]["generated_tokens"] == 5
         assert httpx.get(f"{base_url}/info").json()["model_id"] == "tiny-llama"
+        client = redis.Redis(port=redis_port)
+        assert client.exists("ferry:tiny-llama:jobs")  # the job stream of the request above
+        client.close()
     finally:
         stop(proc)
+
+
+@pytest.mark.parametrize("redis_kind", ["fake", pytest.param("redis-server", marks=needs_redis_server)])
+def test_a_taken_redis_port_is_one_line(tmp_path: Path, tiny_model_path: Path, redis_kind: str, redis_url: str) -> None:
+    """Another Redis already on ``--redis-port`` is an error, not a server sharing that Redis."""
+    taken = urlsplit(redis_url)
+    if taken.hostname not in ("127.0.0.1", "localhost"):
+        pytest.skip(f"the tests' Redis ({redis_url}) is not on this host")
+    proc, _ = run_server(tmp_path, tiny_model_path, "--embedded-redis", redis_kind, "--redis-port", str(taken.port))
+    try:
+        assert proc.wait(timeout=60) == 1
+    finally:
+        proc.kill()
+    (line,) = [line for line in server_output(tmp_path).splitlines() if line.startswith("ferry-server:")]
+    assert line.startswith("ferry-server: the embedded ") and "Address already in use" in line, line
+
+
+def proc_stat(pid: int) -> tuple[int, str, str] | None:
+    """(parent pid, state, start time) of a process from /proc, None when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[1]), fields[0], fields[19]
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """Every live descendant of ``pid``, with its start time (a pid used again later is not it)."""
+    parents: dict[int, list[tuple[int, str]]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (stat := proc_stat(int(entry.name))) is not None and stat[1] != "Z":
+            parents.setdefault(stat[0], []).append((int(entry.name), stat[2]))
+    found: dict[int, str] = {}
+    todo = [pid]
+    while todo:
+        for child, started in parents.get(todo.pop(), []):
+            found[child] = started
+            todo.append(child)
+    return found
+
+
+def survivors(children: dict[int, str], within: float) -> list[int]:
+    """The ``children`` still alive (not zombies) after up to ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        alive = [pid for pid, started in children.items()
+                 if (stat := proc_stat(pid)) is not None and stat[2] == started and stat[1] != "Z"]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def serving_children(tmp_path: Path, tiny_model_path: Path) -> tuple[subprocess.Popen[bytes], dict[int, str]]:
+    """A healthy ferry-server with a redis-server and a worker, and its child processes."""
+    proc, base_url = run_server(tmp_path, tiny_model_path, "--embedded-redis", "redis-server")
+    wait_healthy(base_url, [proc])
+    children = descendants(proc.pid)
+    assert len(children) >= 2, children  # redis-server and the worker
+    return proc, children
+
+
+@linux_only
+@needs_redis_server
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGKILL"])
+def test_no_child_outlives_the_server(tmp_path: Path, tiny_model_path: Path, how: str) -> None:
+    """SIGTERM or SIGINT to the launcher alone (not its process group) stops it and all its children cleanly
+    within the grace time; after kill -9 of the launcher, its children are gone too (the parent-death signal)."""
+    proc, children = serving_children(tmp_path, tiny_model_path)
+    try:
+        proc.send_signal(getattr(signal, how))
+        status = proc.wait(timeout=GRACE_SECONDS + 30)
+        left = survivors(children, within=GRACE_SECONDS + 15)
+        assert not left, f"still running after {how}: {left}"
+        if how != "SIGKILL":  # it stopped itself, after stopping its children
+            assert status == 0 and "ferry-server stopped" in server_output(tmp_path), server_output(tmp_path)
+    finally:
+        proc.kill()
+        for pid in survivors(children, within=0):
+            os.kill(pid, signal.SIGKILL)
+
+
+def broken_model(tmp_path: Path, tiny_model_path: Path) -> Path:
+    """A copy of the tiny model without its weights."""
+    path = tmp_path / "no-weights"
+    shutil.copytree(tiny_model_path, path, ignore=shutil.ignore_patterns("*.safetensors"))
+    return path
+
+
+def test_a_model_that_cannot_load_stops_the_server(tmp_path: Path, tiny_model_path: Path) -> None:
+    """The worker's one line names the folder and the cause; the server stops at once with status 1."""
+    path = broken_model(tmp_path, tiny_model_path)
+    proc, _ = run_server(tmp_path, tiny_model_path, "--embedded-redis", "fake", "--model-path", str(path))
+    try:
+        assert proc.wait(timeout=90) == 1
+    finally:
+        proc.kill()
+    output = server_output(tmp_path)
+    assert f"ferry-worker: cannot load the model at {path}: " in output and "model.safetensors" in output, output
+    assert f"ferry-server: a worker of model no-weights ({path}) exited with status 1" in output, output
+    assert "Traceback" not in output
+
+
+@linux_only
+def test_a_worker_exiting_later_stops_the_server(tmp_path: Path, tiny_model_path: Path) -> None:
+    proc, base_url = run_server(tmp_path, tiny_model_path, "--embedded-redis", "fake")
+    try:
+        wait_healthy(base_url, [proc])
+        (worker,) = descendants(proc.pid)
+        os.kill(worker, signal.SIGKILL)
+        assert proc.wait(timeout=GRACE_SECONDS + 30) == 1
+    finally:
+        proc.kill()
+    (line,) = [line for line in server_output(tmp_path).splitlines() if line.startswith("ferry-server:")]
+    model = tmp_path / "home" / "tiny-llama"
+    assert line == f"ferry-server: a worker of model tiny-llama ({model}) was killed by SIGKILL; stopped"
 
 
 def test_tiny_model_is_reproducible_and_loads_with_from_pretrained(tmp_path: Path, tiny_model_path: Path) -> None:

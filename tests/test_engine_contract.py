@@ -394,3 +394,19 @@ def test_typical_p_is_applied_or_refused_by_name(subject: EngineUnderTest, promp
     else:
         assert subject.engine.refusal(job) is None
         assert len(run(subject.engine, {0: [job]})[job.request_id]) == 4
+
+
+def test_ignore_eos_and_stop_token_ids(subject: EngineUnderTest, prompts) -> None:
+    """vLLM's ``ignore_eos`` and ``stop_token_ids`` (OpenAI routes): past the EOS that ends PROMPTS[1] to
+    max_new_tokens; a stop id ends a request as a stop string does (``stop_sequence``), its token kept."""
+    eos_ended, reference = subject.references[1], subject.references[3].ids
+    assert eos_ended.eos
+    ignoring = make_job(prompts[1], max_new_tokens=len(eos_ended.ids) + 5, ignore_eos=True)
+    stop_at = next(i for i in range(4, len(reference)) if reference[i] not in reference[:i])
+    stopped = make_job(prompts[3], max_new_tokens=LENGTHS[3], stop_token_ids=[reference[stop_at]])
+    events = run(subject.engine, {0: [ignoring, stopped]})
+    stream = events[ignoring.request_id]
+    assert token_ids(stream)[: len(eos_ended.ids)] == eos_ended.ids
+    assert len(stream) == len(eos_ended.ids) + 5 and stream[-1].finish.finish_reason == "length"
+    stream = events[stopped.request_id]
+    assert token_ids(stream) == reference[: stop_at + 1] and stream[-1].finish.finish_reason == "stop_sequence"

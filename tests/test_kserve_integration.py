@@ -62,6 +62,53 @@ def test_tritonclient_infer_equals_tgi_greedy(
     assert output[0].tolist() == prompt_ids + expected
 
 
+def test_tritonclient_infer_without_outputs(
+    stack: Stack, client: triton.InferenceServerClient, prompt_ids: list[int]
+) -> None:
+    """``outputs`` is optional (KServe v2): the client then asks for every output, as binary data."""
+    tensor = triton.InferInput("input0", [1, len(prompt_ids)], "UINT32")
+    tensor.set_data_from_numpy(np.array([prompt_ids], dtype=np.uint32))
+    result = client.infer(stack.model_name, [tensor], parameters={"max_new_tokens": 6})
+    expected = [t["id"] for t in tgi_greedy(stack, 6)["details"]["tokens"]]
+    assert result.as_numpy("output0").tolist() == [prompt_ids + expected]
+
+
+def test_tritonclient_config_repository_index_and_statistics(
+    stack: Stack, client: triton.InferenceServerClient, prompt_ids: list[int]
+) -> None:
+    """Triton's model configuration, repository index and statistics extensions, through the client; the
+    statistics count the requests this pod finished (the infers below), with their measured times."""
+    config = client.get_model_config(stack.model_name)
+    assert config["name"] == stack.model_name
+    assert (config["platform"], config["max_batch_size"]) == ("pytorch_transformers", 0)
+    assert config["input"] == [{"name": "input0", "data_type": "TYPE_UINT32", "dims": [1, -1]}]
+    assert config["output"] == [{"name": "output0", "data_type": "TYPE_UINT32", "dims": [1, -1]}]
+    assert client.get_model_repository_index() == [
+        {"name": stack.model_name, "version": "", "state": "READY", "reason": ""}
+    ]
+
+    def statistics() -> dict:
+        [stats] = client.get_inference_statistics(stack.model_name)["model_stats"]
+        assert client.get_inference_statistics()["model_stats"] == [stats]
+        return stats
+
+    before, started = statistics(), time.time()
+    for _ in range(2):
+        triton_infer(client, stack.model_name, prompt_ids, True, max_new_tokens=4)
+    after = statistics()
+    assert after["name"] == stack.model_name
+    assert after["inference_count"] - before["inference_count"] == 2
+    assert after["execution_count"] - before["execution_count"] == 2
+    assert started * 1000 <= after["last_inference"] <= time.time() * 1000
+    added = {kind: {key: after["inference_stats"][kind][key] - before["inference_stats"][kind][key]
+                    for key in ("count", "ns")} for kind in ("success", "queue", "compute_infer", "fail")}
+    assert [added[kind]["count"] for kind in ("success", "queue", "compute_infer", "fail")] == [2, 2, 2, 0]
+    assert added["success"]["ns"] >= added["compute_infer"]["ns"] > 0 and added["queue"]["ns"] >= 0
+    with pytest.raises(InferenceServerException) as unknown:
+        client.get_model_config("nope")
+    assert unknown.value.status() == "404" and unknown.value.message() == "Model nope not found."
+
+
 def test_infer_spec_body_shape(stack: Stack, prompt_ids: list[int]) -> None:
     """SPEC.md's request form: parameters in inputs[0].parameters (seed null), id echoed, shape [1, len(data)]."""
     body = {

@@ -228,9 +228,8 @@ BAD_STRUCTURE = [
     ("inputs.0.data", [1, "2", 3, 4, 5], "`inputs.0.data.1`"),
     ("inputs.0.data", [PROMPT_IDS], "`inputs.0.data.0`"),
     ("inputs.0.parameters", {"binary_data_size": 20}, "either in `data` or"),
-    ("outputs", ..., "`outputs`"),
-    ("outputs", [], "exactly one output"),
-    ("outputs", [{"name": "output0"}, {"name": "output0"}], "exactly one output"),
+    ("outputs", [{"name": "output0"}, {"name": "output0"}], "`outputs` must name at most one output, 'output0'"),
+    ("outputs", {"name": "output0"}, "`outputs`"),
     ("outputs.0.name", "output1", "`outputs[0].name` must be 'output0'"),
     ("outputs.0", {}, "`outputs.0.name`"),
     ("id", "", "`id` must be 1 to 256 characters"),
@@ -491,6 +490,24 @@ def test_infer_binary_response_parses_in_tritonclient(
     assert result.as_numpy("output0").tolist() == [PROMPT_IDS + [7, 8, 9]]
 
 
+@pytest.mark.parametrize("outputs", [..., None, []], ids=["absent", "null", "empty"])
+def test_infer_without_outputs_answers_output0(
+    client: TestClient, stand_in_worker: list[GenerationRequest], outputs: Any
+) -> None:
+    """``outputs`` is optional in KServe v2 (all the model's outputs: output0); tritonclient leaves it out and
+    asks for binary data with the request's ``binary_data_output`` instead."""
+    body = mutate("outputs", outputs)
+    response = client.post(INFER, json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["outputs"] == [
+        {"name": "output0", "datatype": "UINT32", "shape": [1, 8], "data": PROMPT_IDS + [7, 8, 9]}
+    ]
+    body["parameters"] = {"binary_data_output": True}
+    response = client.post(INFER, json=body)
+    result = InferResult.from_response_body(response.content, header_length=int(response.headers[HEADER]))
+    assert result.as_numpy("output0").tolist() == [PROMPT_IDS + [7, 8, 9]]
+
+
 def test_request_level_binary_data_output_and_output_override(
     client: TestClient, stand_in_worker: list[GenerationRequest]
 ) -> None:
@@ -536,7 +553,8 @@ def test_generation_failure_and_duplicate_id(client: TestClient, monkeypatch: py
 @pytest.mark.parametrize(
     ("method", "route"),
     [("post", "/v2/models/{m}/infer"), ("post", "/v2/models/{m}/generate"), ("post", "/v2/models/{m}/generate_stream"),
-     ("get", "/v2/models/{m}"), ("get", "/v2/models/{m}/ready")],
+     ("get", "/v2/models/{m}"), ("get", "/v2/models/{m}/ready"), ("get", "/v2/models/{m}/config"),
+     ("get", "/v2/models/{m}/stats")],
 )
 def test_unknown_model_is_404(client: TestClient, method: str, route: str) -> None:
     response = client.request(method, route.format(m="nope"), json=infer_body())
@@ -545,7 +563,8 @@ def test_unknown_model_is_404(client: TestClient, method: str, route: str) -> No
 
 @pytest.mark.parametrize(
     ("method", "route"),
-    [("post", "infer"), ("get", "ready"), ("get", ""), ("post", "generate"), ("post", "generate_stream")],
+    [("post", "infer"), ("get", "ready"), ("get", ""), ("post", "generate"), ("post", "generate_stream"),
+     ("get", "config"), ("get", "stats")],
 )
 def test_versioned_routes_are_not_supported(client: TestClient, method: str, route: str) -> None:
     url = f"/v2/models/{MODEL}/versions/1" + (f"/{route}" if route else "")
@@ -573,7 +592,8 @@ def test_live_and_ready_follow_worker_heartbeats(client: TestClient, redis_serve
 def test_metadata(client: TestClient) -> None:
     server = client.get("/v2").json()
     assert server["name"] == "ferry" and isinstance(server["version"], str)
-    assert set(server["extensions"]) >= {"binary_tensor_data", "parameters", "generate"}
+    assert set(server["extensions"]) >= {"binary_tensor_data", "parameters", "generate", "model_configuration",
+                                         "statistics"}
     model = client.get(f"/v2/models/{MODEL}").json()
     assert model == {
         "name": MODEL,
@@ -678,3 +698,95 @@ def test_generate_generation_failure_is_500(client: TestClient, monkeypatch: pyt
 
     patch_submit(monkeypatch, failing)
     assert_kserve_error(client.post(GENERATE, json={"text_input": "x"}), 500, "boom")
+
+
+# --------------------------------------------------------------------------------------------- Triton's extensions
+
+
+def test_model_config(client: TestClient) -> None:
+    """Triton's model configuration: max_batch_size 0, so the explicit batch dimension is part of ``dims``."""
+    assert client.get(f"/v2/models/{MODEL}/config").json() == {
+        "name": MODEL,
+        "platform": "pytorch_transformers",
+        "max_batch_size": 0,
+        "input": [{"name": "input0", "data_type": "TYPE_UINT32", "dims": [1, -1]}],
+        "output": [{"name": "output0", "data_type": "TYPE_UINT32", "dims": [1, -1]}],
+    }
+
+
+def test_repository_index_follows_worker_heartbeats(client: TestClient, redis_server: fakeredis.FakeServer) -> None:
+    """Every served model, READY while a worker of it is alive; ``{"ready": true}`` lists only those."""
+    index = client.post("/v2/repository/index")
+    assert index.status_code == 200, index.text
+    assert index.json() == [{"name": MODEL, "version": "", "state": "UNAVAILABLE",
+                             "reason": f"no live worker serves model {MODEL}"}]
+    assert client.post("/v2/repository/index", json={"ready": True}).json() == []
+    beats = fakeredis.FakeRedis(server=redis_server)
+    beats.zadd(keys.heartbeats(MODEL), {"cpu:test:1": time.time() + 60})
+    try:
+        ready = [{"name": MODEL, "version": "", "state": "READY", "reason": ""}]
+        assert client.post("/v2/repository/index", json={"ready": False}).json() == ready
+        assert client.post("/v2/repository/index", json={"ready": True}).json() == ready
+    finally:
+        beats.delete(keys.heartbeats(MODEL))
+    assert_kserve_error(client.post("/v2/repository/index", json={"ready": "yes"}), 400, "`ready`")
+
+
+def test_statistics_count_what_the_pipeline_recorded(settings: Settings) -> None:
+    """This pod's counts and times: successes (their total, queue and inference times) and failures, as the
+    pipeline records every request's end in the pod's metrics."""
+    with TestClient(create_app(settings, redis=fakeredis.FakeAsyncRedis())) as fresh:
+        empty = fresh.get(f"/v2/models/{MODEL}/stats").json()["model_stats"][0]
+        assert (empty["name"], empty["version"], empty["last_inference"], empty["inference_count"]) == (MODEL, "", 0, 0)
+        metrics = fresh.app.state.ctx.metrics
+        before = time.time()
+        for queue_time, inference_time, duration in ((0.25, 1.0, 1.5), (0.5, 2.0, 3.0)):
+            finish = Finish(finish_reason="length", generated_tokens=3, prompt_tokens=5, seed=1, generated_text="x",
+                            queue_time=queue_time, inference_time=inference_time)
+            metrics.request_finished(MODEL, finish, duration)
+        metrics.request_failed(MODEL, "generation", 0.75)
+        metrics.request_refused(MODEL, "overloaded")
+        every = fresh.get("/v2/models/stats").json()
+        one = fresh.get(f"/v2/models/{MODEL}/stats").json()
+    assert every == one and len(one["model_stats"]) == 1
+    stats = one["model_stats"][0]
+    assert (stats["inference_count"], stats["execution_count"]) == (2, 2)
+    assert before * 1000 - 1 <= stats["last_inference"] <= time.time() * 1000 + 1
+    durations = stats["inference_stats"]
+    assert durations["success"] == {"count": 2, "ns": 4_500_000_000}
+    assert durations["fail"] == {"count": 2, "ns": 750_000_000}
+    assert durations["queue"] == {"count": 2, "ns": 750_000_000}
+    assert durations["compute_infer"] == {"count": 2, "ns": 3_000_000_000}
+    assert {durations[k]["count"] for k in ("compute_input", "compute_output", "cache_hit", "cache_miss")} == {0}
+    assert stats["batch_stats"] == []
+
+
+# --------------------------------------------------------------------------------------------- unknown routes
+
+
+@pytest.mark.parametrize(("method", "path", "status"), [
+    ("get", "/v2/nope", 404),
+    ("post", "/v2/models/nope/unknown", 404),
+    ("post", "/v2/repository/models/m/load", 404),
+    ("delete", f"/v2/models/{MODEL}", 405),
+    ("get", f"/v2/models/{MODEL}/infer", 405),
+    ("get", "/v2/repository/index", 405),
+])
+def test_unknown_routes_answer_in_kserve_format(client: TestClient, method: str, path: str, status: int) -> None:
+    """Not FastAPI's ``{"detail": ...}``, which tritonclient cannot decode."""
+    message = assert_kserve_error(client.request(method, path), status)
+    assert path in message
+    if status == 405:
+        assert "is not allowed" in message and client.request(method, path).headers["allow"]
+
+
+@pytest.mark.parametrize(("method", "path", "status"), [
+    ("get", "/nope", 404), ("get", "/v2x", 404), ("get", "/generate", 405), ("put", "/", 405),
+])
+def test_other_unknown_routes_answer_in_tgi_format(client: TestClient, method: str, path: str, status: int) -> None:
+    """Outside ``/v1`` (OpenAI) and ``/v2`` (KServe) a path is TGI's: ``{"error", "error_type"}``."""
+    response = client.request(method, path)
+    assert response.status_code == status
+    body = response.json()
+    assert set(body) == {"error", "error_type"} and path in body["error"]
+    assert body["error_type"] == ("not_found" if status == 404 else "method_not_allowed")

@@ -167,7 +167,7 @@ def test_worker_metrics_status_and_timings(engine: TransformersEngine, tiny_mode
     assert last.finish.queue_time >= 0.25 and last.finish.inference_time > 0
 
     port = free_port()
-    server = loop.metrics.serve(port)
+    server = loop.metrics.serve(port, loop.settings.worker_metrics_host)
     try:
         text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
     finally:

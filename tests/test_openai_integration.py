@@ -1,8 +1,9 @@
 """End to end over a real Redis: the OpenAI-compatible routes of separate API and worker processes, driven by
-the official ``openai`` client (sync and async, streamed and not), cross-checked against the TGI routes.
+the official ``openai`` client (sync and async, streamed and not) and ``huggingface_hub``'s ``InferenceClient``,
+cross-checked against the TGI routes.
 
-Completions run on the session ``stack`` (the tiny model, no chat template); chat runs on a stack of a copy of
-the tiny model whose tokenizer has a chat template (``chat_model_path``).
+Completions run on the session ``stack`` (the tiny model); chat runs on a stack of the tiny model given the
+tests' chat template by the ``CHAT_TEMPLATE`` setting (a file), as ``--chat-template`` gives it.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from huggingface_hub import InferenceClient
 from openai import AsyncOpenAI, OpenAI
 from transformers import AutoTokenizer
 
-from tests.conftest import Stack, start_stack, stop_stack
+from tests.conftest import CHAT_TEMPLATE, Stack, start_stack, stop_stack
 
 PROMPT = "def main("
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Write a function."}]
@@ -24,8 +26,11 @@ MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def chat_stack(redis_url: str, chat_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    running = start_stack(redis_url, chat_model_path, tmp_path_factory.mktemp("stack-chat"))
+def chat_stack(redis_url: str, tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    log_dir = tmp_path_factory.mktemp("stack-chat")
+    template = log_dir / "chat_template.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    running = start_stack(redis_url, tiny_model_path, log_dir, {"CHAT_TEMPLATE": str(template)})
     yield running
     stop_stack(running)
 
@@ -52,11 +57,12 @@ def prompt_ids(tiny_model_path: Path) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def chat_prompt(chat_model_path: Path) -> str:
+def chat_prompt(tiny_model_path: Path) -> str:
     """The messages as the chat template renders them, ready for the assistant's turn, without the template's
     leading BOS: the TGI route adds BOS itself, so it then gets the same prompt ids as the chat route."""
-    tokenizer = AutoTokenizer.from_pretrained(chat_model_path)
-    rendered = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    rendered = tokenizer.apply_chat_template(MESSAGES, chat_template=CHAT_TEMPLATE, add_generation_prompt=True,
+                                             tokenize=False)
     assert rendered.startswith(tokenizer.bos_token)
     return rendered.removeprefix(tokenizer.bos_token)
 
@@ -138,15 +144,49 @@ def test_seed_reproducibility(stack: Stack) -> None:
 
 def test_errors_in_openai_shape(stack: Stack) -> None:
     client = client_for(stack)
-    with pytest.raises(openai.NotFoundError) as not_found:
-        client.completions.create(model="gpt-4o", prompt=PROMPT)
-    assert not_found.value.code == "model_not_found" and not_found.value.param == "model"
     with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(model=stack.model_name, prompt=PROMPT, n=2, stream=True)
     assert bad.value.status_code == 400 and bad.value.param == "n" and bad.value.type == "invalid_request_error"
-    with pytest.raises(openai.BadRequestError) as no_template:
-        client.chat.completions.create(model=stack.model_name, messages=MESSAGES)
-    assert "has no chat template" in no_template.value.message
+    with pytest.raises(openai.BadRequestError) as unknown:
+        client.completions.create(model=stack.model_name, prompt=PROMPT, extra_body={"min_p": 0.05})
+    assert unknown.value.param == "min_p" and "`min_p` is not a supported parameter" in unknown.value.message
+    with pytest.raises(openai.NotFoundError) as no_route:
+        client.embeddings.create(model=stack.model_name, input="x")
+    assert no_route.value.code == "not_found" and "/v1/embeddings" in no_route.value.message
+
+
+def test_any_model_name_when_one_model_is_served(stack: Stack) -> None:
+    """TGI's rule: TGI's documents send ``"tgi"``, huggingface_hub ``"dummy"``."""
+    expected = tgi_greedy(stack, PROMPT)["generated_text"]
+    for name in ("tgi", "dummy"):
+        completion = client_for(stack).completions.create(model=name, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                                          temperature=0)
+        assert (completion.model, completion.choices[0].text) == (stack.model_name, expected)
+
+
+def test_vllm_sampling_extras_equal_tgi(stack: Stack) -> None:
+    """vLLM's top_k and repetition_penalty with a seed sample exactly what the TGI route samples with them."""
+    extras = {"top_k": 5, "repetition_penalty": 1.3}
+    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 12, "do_sample": True, "seed": 77, **extras}}
+    expected = httpx.post(f"{stack.base_url}/generate", json=body, timeout=60).json()["generated_text"]
+    completion = client_for(stack).completions.create(
+        model=stack.model_name, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=77, extra_body=extras
+    )
+    assert completion.choices[0].text == expected
+    plain = client_for(stack).completions.create(model=stack.model_name, prompt=PROMPT, max_tokens=12, seed=77)
+    assert plain.choices[0].text != expected
+
+
+def test_stop_token_ids_end_the_completion(stack: Stack) -> None:
+    """A stop token id ends the completion with finish_reason stop, the token kept (vLLM's rule)."""
+    tokens = [token["id"] for token in tgi_greedy(stack, PROMPT)["details"]["tokens"]]
+    at = next(i for i in range(3, len(tokens)) if tokens[i] not in tokens[:i])
+    completion = client_for(stack).completions.create(
+        model=stack.model_name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"stop_token_ids": [tokens[at]], "ignore_eos": True},
+    )
+    assert completion.choices[0].finish_reason == "stop" and completion.usage.completion_tokens == at + 1
+    assert completion.choices[0].text == tgi_greedy(stack, PROMPT, at + 1)["generated_text"]
 
 
 async def test_async_client_completions(stack: Stack) -> None:
@@ -203,6 +243,17 @@ async def test_async_client_chat(chat_stack: Stack, chat_prompt: str) -> None:
         )
         streamed = "".join([chunk.choices[0].delta.content or "" async for chunk in stream])
     assert completion.choices[0].message.content == streamed == expected
+
+
+def test_huggingface_hub_chat_completion(chat_stack: Stack, chat_prompt: str) -> None:
+    """``InferenceClient(url).chat_completion`` sends ``"model": "dummy"``; with one model served it is that model."""
+    expected = tgi_greedy(chat_stack, chat_prompt)["generated_text"]
+    client = InferenceClient(chat_stack.base_url, timeout=60)
+    output = client.chat_completion(MESSAGES, max_tokens=MAX_TOKENS, temperature=0)
+    assert (output.model, output.choices[0].message.content) == (chat_stack.model_name, expected)
+    assert output.choices[0].finish_reason == "length" and output.usage.completion_tokens == MAX_TOKENS
+    chunks = list(client.chat_completion(MESSAGES, max_tokens=MAX_TOKENS, temperature=0, stream=True))
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices) == expected
 
 
 def test_chat_stop_string_is_excluded(chat_stack: Stack, chat_prompt: str) -> None:

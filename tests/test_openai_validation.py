@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import fakeredis
 import pytest
 from fastapi.testclient import TestClient
 
+import api.main
 from api.app import create_app
 from api.context import ModelInfo, ServerContext
 from api.errors import ProtocolError
@@ -27,7 +29,7 @@ from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.pipeline import GenerationRequest, PipelineError
 from api.relay import EventRelay
 from common.protocol import Finish, FinishReason, TokenEvent, TokenInfo
-from common.settings import Settings
+from common.settings import ConfigError, Settings, load_settings
 from tests.fakes import FakeSubmission, patch_submit
 from tests.sse import sse_data
 
@@ -120,6 +122,19 @@ def ctx(settings: Settings) -> ServerContext:
 
 
 @pytest.fixture(scope="module")
+def plain_model_path(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the tiny model whose tokenizer has no chat template, whether or not the tiny model has one."""
+    path = tmp_path_factory.mktemp("models") / "tiny-llama-plain"
+    shutil.copytree(tiny_model_path, path)
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config.pop("chat_template", None)
+    config_file.write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
 def chat_ctx(chat_model_path: Path) -> ServerContext:
     return make_ctx(make_settings(chat_model_path))
 
@@ -194,6 +209,25 @@ SHARED_RULES = [
     ("stream", "yes", "stream", "`stream`: Input should be a valid boolean"),
     ("stream_options", {"include_usage": True}, "stream_options",
      "`stream_options` is only allowed when `stream` is true"),
+    # vLLM's sampling extras
+    ("top_k", -2, "top_k", "`top_k` must be -1 or 0 (off) or a positive integer <= 2147483647. Given: -2"),
+    ("top_k", 2**31, "top_k", "`top_k` must be -1 or 0 (off) or a positive integer"),
+    ("top_k", 1.5, "top_k", "`top_k`: Input should be a valid integer"),
+    ("repetition_penalty", 0, "repetition_penalty",
+     "`repetition_penalty` must be strictly positive (1 = off). Given: 0"),
+    ("repetition_penalty", "1.2", "repetition_penalty", "`repetition_penalty`: Input should be a valid number"),
+    ("ignore_eos", "yes", "ignore_eos", "`ignore_eos`: Input should be a valid boolean"),
+    ("stop_token_ids", [2, -1], "stop_token_ids", "`stop_token_ids` must be token ids, >= 0. Given: -1"),
+    ("stop_token_ids", [2] * 1025, "stop_token_ids", "`stop_token_ids` supports up to 1024 ids. Given: 1025"),
+    ("stop_token_ids", 2, "stop_token_ids", "`stop_token_ids`: Input should be a valid list"),
+    ("min_tokens", 1, "min_tokens", "`min_tokens` is not supported yet, only 0 (EOS may end the output at any "
+     "length). Given: 1"),
+    # any other field, vLLM's or not, is named rather than dropped
+    ("min_p", 0.1, "min_p", "`min_p` is not a supported parameter"),
+    ("use_beam_search", True, "use_beam_search", "`use_beam_search` is not a supported parameter"),
+    ("include_stop_str_in_output", False, "include_stop_str_in_output", "is not a supported parameter"),
+    ("guided_json", {"type": "object"}, "guided_json", "`guided_json` is not a supported parameter"),
+    ("unknown_field", None, "unknown_field", "`unknown_field` is not a supported parameter"),
 ]
 
 
@@ -230,6 +264,22 @@ COMPLETION_RULES = [
 @pytest.mark.parametrize(("field", "value", "fragment"), COMPLETION_RULES)
 def test_completion_rules(client: TestClient, field: str, value: Any, fragment: str) -> None:
     assert_openai_error(post(client, COMPLETIONS, completion_body(**{field: value})), 400, fragment, field)
+
+
+def test_unknown_stream_option_is_named(client: TestClient) -> None:
+    body = completion_body(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    assert_openai_error(post(client, COMPLETIONS, body), 400,
+                        "`stream_options.continuous_usage_stats` is not a supported parameter",
+                        "stream_options.continuous_usage_stats")
+
+
+@pytest.mark.parametrize("route", [COMPLETIONS, CHAT])
+def test_stop_token_ids_below_the_vocabulary(chat_client: TestClient, ctx: ServerContext, route: str) -> None:
+    vocab_size = ctx.model.vocab_size
+    body = completion_body() if route == COMPLETIONS else chat_body()
+    response = post(chat_client, route, {**body, "stop_token_ids": [2, vocab_size]})
+    fragment = f"`stop_token_ids` must be < the vocabulary size {vocab_size}. Given: {vocab_size}"
+    assert_openai_error(response, 400, fragment, "stop_token_ids")
 
 
 def test_completion_prompt_is_required(client: TestClient) -> None:
@@ -321,10 +371,58 @@ def test_max_tokens_and_max_completion_tokens_must_agree(chat_client: TestClient
                         "Given: 5 and 6")
 
 
-def test_chat_without_a_chat_template(client: TestClient) -> None:
-    response = post(client, CHAT, chat_body())
+def test_chat_without_a_chat_template(plain_model_path: Path) -> None:
+    with TestClient(create_app(make_settings(plain_model_path), redis=fakeredis.FakeAsyncRedis())) as plain:
+        response = post(plain, CHAT, chat_body())
     assert_openai_error(response, 400, f"the model `{MODEL}` has no chat template, so it cannot take `messages`: "
                         "use /v1/completions with a `prompt`", "messages")
+
+
+# --------------------------------------------------------------------------------------------- --chat-template
+
+
+OTHER_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+
+
+@pytest.mark.parametrize("given_as", ["inline", "file"])
+@pytest.mark.parametrize("model", ["plain", "chat"])
+def test_chat_template_option_renders_the_messages(
+    plain_model_path: Path, chat_model_path: Path, tmp_path: Path, stand_in_worker: list[GenerationRequest],
+    given_as: str, model: str,
+) -> None:
+    """CHAT_TEMPLATE (``--chat-template``, ``ServerConfig.chatTemplate``), inline or a file, is the default
+    model's template: it lets a model without one chat, and replaces a model's own."""
+    template_file = tmp_path / "template.jinja"
+    template_file.write_text(OTHER_TEMPLATE)
+    value = OTHER_TEMPLATE if given_as == "inline" else str(template_file)
+    settings = make_settings(plain_model_path if model == "plain" else chat_model_path, chat_template=value)
+    assert settings.chat_template == OTHER_TEMPLATE
+    with TestClient(create_app(settings, redis=fakeredis.FakeAsyncRedis())) as served:
+        assert post(served, CHAT, chat_body()).status_code == 200
+        tokenizer = served.app.state.ctx.model.tokenizer
+    expected = "[system] Be brief.\n[user] Hello\n[assistant] "
+    assert stand_in_worker[0].input_ids == tokenizer(expected, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize(("value", "fragment"), [
+    ("/no/such/template.jinja", "cannot read the chat template file /no/such/template.jinja: No such file"),
+    ("{% for m in messages %}", "the chat template is not valid Jinja"),
+    ("{{ messages }", "the chat template is not valid Jinja: unexpected '}' (line 1)"),
+])
+def test_a_broken_chat_template_stops_the_pod(value: str, fragment: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CHAT_TEMPLATE", value)
+    with pytest.raises(ConfigError) as caught:
+        load_settings()
+    assert "`ServerConfig.chatTemplate` (env CHAT_TEMPLATE): " in str(caught.value) and fragment in str(caught.value)
+
+
+def test_chat_template_command_line_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ferry-api --chat-template`` overrides CHAT_TEMPLATE."""
+    served: list[Settings] = []
+    monkeypatch.setenv("CHAT_TEMPLATE", "{{ 'from the environment' }}")
+    monkeypatch.setattr(api.main, "serve", served.append)
+    api.main.main(["--chat-template", OTHER_TEMPLATE])
+    assert [settings.chat_template for settings in served] == [OTHER_TEMPLATE]
 
 
 async def test_chat_template_errors_are_400(chat_ctx: ServerContext) -> None:
@@ -340,11 +438,51 @@ async def test_chat_template_errors_are_400(chat_ctx: ServerContext) -> None:
     assert "the model's chat template rejected the `messages`: no system role" in caught.value.message
 
 
+@pytest.mark.parametrize("name", ["dummy", "tgi", "gpt-4o", ""])
 @pytest.mark.parametrize(("route", "body"), [(COMPLETIONS, completion_body()), (CHAT, chat_body())])
-def test_unknown_model_is_404(chat_client: TestClient, route: str, body: dict[str, Any]) -> None:
-    response = post(chat_client, route, {**body, "model": "gpt-4o"})
-    assert_openai_error(response, 404, f"The model `gpt-4o` does not exist: this server serves `{MODEL}`.", "model",
-                        "model_not_found")
+def test_one_served_model_answers_to_any_name(
+    chat_client: TestClient, stand_in_worker: list[GenerationRequest], route: str, body: dict[str, Any], name: str
+) -> None:
+    """TGI's rule, which huggingface_hub relies on (it sends ``"dummy"``): with one model, the name is not
+    checked; the answer names the model that served it."""
+    response = post(chat_client, route, {**body, "model": name})
+    assert response.status_code == 200, response.text
+    assert response.json()["model"] == MODEL
+
+
+@pytest.fixture(scope="module")
+def two_models_client(plain_model_path: Path, chat_model_path: Path) -> Iterator[TestClient]:
+    """The plain tiny model as the default, and the chat model as ``chatty``."""
+    chatty = {"modelName": "chatty", "modelWeightPath": str(chat_model_path)}
+    settings = make_settings(plain_model_path, models=[chatty])
+    with TestClient(create_app(settings, redis=fakeredis.FakeAsyncRedis())) as c:
+        yield c
+
+
+@pytest.mark.parametrize(("route", "body"), [(COMPLETIONS, completion_body()), (CHAT, chat_body())])
+def test_with_several_models_an_unknown_name_is_404(
+    two_models_client: TestClient, route: str, body: dict[str, Any]
+) -> None:
+    response = post(two_models_client, route, {**body, "model": "dummy"})
+    assert_openai_error(response, 404, f"The model `dummy` does not exist: this server serves `{MODEL}`, `chatty`.",
+                        "model", "model_not_found")
+
+
+def test_with_several_models_the_named_one_answers(
+    two_models_client: TestClient, stand_in_worker: list[GenerationRequest], chat_model_path: Path
+) -> None:
+    """Each request goes to the model it names: only ``chatty`` has a chat template."""
+    response = post(two_models_client, CHAT, chat_body(model="chatty"))
+    assert response.status_code == 200 and response.json()["model"] == "chatty"
+    tokenizer = two_models_client.app.state.ctx.models["chatty"].tokenizer
+    rendered = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    assert stand_in_worker[0].input_ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert_openai_error(post(two_models_client, CHAT, chat_body()), 400, f"the model `{MODEL}` has no chat template",
+                        "messages")
+    assert post(two_models_client, COMPLETIONS, completion_body(model="chatty")).json()["model"] == "chatty"
+    listing = two_models_client.get("/v1/models").json()
+    assert [card["id"] for card in listing["data"]] == [MODEL, "chatty"]
+    assert two_models_client.get("/v1/models/chatty").json()["id"] == "chatty"
 
 
 @pytest.mark.parametrize(("raw", "fragment"), [
@@ -409,6 +547,17 @@ async def test_temperature_zero_is_greedy(
     ({"stop": "\n"}, "stop", ["\n"]),
     ({"stop": ["a", "b", "c", "d"]}, "stop", ["a", "b", "c", "d"]),
     ({"stop": []}, "stop", []),
+    # vLLM's extras: top_k -1 and 0 are off, a top_k past the vocabulary is all of it
+    ({"top_k": 5}, "top_k", 5),
+    ({"top_k": 0}, "top_k", 0),
+    ({"top_k": -1}, "top_k", 0),
+    ({"top_k": 2**31 - 1}, "top_k", 4096),
+    ({"repetition_penalty": 1.3}, "repetition_penalty", 1.3),
+    ({"repetition_penalty": 0.5}, "repetition_penalty", 0.5),
+    ({"ignore_eos": True}, "ignore_eos", True),
+    ({"ignore_eos": False}, "ignore_eos", False),
+    ({"stop_token_ids": [2, 4095]}, "stop_token_ids", [2, 4095]),
+    ({"stop_token_ids": []}, "stop_token_ids", []),
 ])
 async def test_completion_parameters(ctx: ServerContext, fields: dict[str, Any], attribute: str, resolved: Any) -> None:
     assert getattr((await resolve_completion(ctx, **fields)).params, attribute) == resolved
@@ -430,10 +579,11 @@ async def test_token_id_edge_below_the_vocabulary(ctx: ServerContext) -> None:
     assert (await resolve_completion(ctx, prompt=[vocab_size - 1])).input_ids == [vocab_size - 1]
 
 
-# Values that are accepted because they ask for nothing unsupported.
+# Values that are accepted because they ask for nothing unsupported; ``user`` and ``metadata`` are documented
+# as accepted and ignored (they cannot change the output).
 HARMLESS = {
     "n": 1, "best_of": 1, "echo": False, "suffix": "", "presence_penalty": 0, "frequency_penalty": 0.0,
-    "logit_bias": {}, "user": "user-1234", "stream": False, "unknown_field": {"anything": 1}, "metadata": {"a": "b"},
+    "logit_bias": {}, "user": "user-1234", "stream": False, "metadata": {"a": "b"}, "min_tokens": 0,
 }
 
 
@@ -444,11 +594,15 @@ async def test_harmless_values_are_accepted(ctx: ServerContext) -> None:
 
 async def test_null_means_unset(ctx: ServerContext, chat_ctx: ServerContext) -> None:
     nulls = dict.fromkeys(["max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty",
-                           "frequency_penalty", "logit_bias", "user", "stream", "stream_options"])
+                           "frequency_penalty", "logit_bias", "user", "metadata", "stream", "stream_options", "top_k",
+                           "repetition_penalty", "ignore_eos", "stop_token_ids", "min_tokens"])
     completion = await resolve_completion(ctx, **nulls, echo=None, best_of=None, suffix=None, logprobs=None)
     assert (completion.params.do_sample, completion.params.max_new_tokens, completion.params.stop) == (True, 16, [])
+    assert (completion.params.top_k, completion.params.repetition_penalty) == (ctx.model.default_top_k, 1.0)
+    assert (completion.params.ignore_eos, completion.params.stop_token_ids) == (False, [])
     chat = await resolve_chat(chat_ctx, **nulls, max_completion_tokens=None, logprobs=None, top_logprobs=None,
-                              response_format=None, tools=None, tool_choice=None, functions=None, function_call=None)
+                              response_format=None, tools=None, tool_choice=None, functions=None, function_call=None,
+                              parallel_tool_calls=None)
     assert chat.params.max_new_tokens == MAX_ITER_TIMES
 
 
@@ -499,6 +653,8 @@ async def test_chat_token_limit(chat_ctx: ServerContext, fields: dict[str, Any],
 async def test_chat_sampling_is_translated_as_for_completions(chat_ctx: ServerContext) -> None:
     params = (await resolve_chat(chat_ctx, temperature=0, top_p=0.5, seed=7, stop=["\n\n"])).params
     assert (params.do_sample, params.top_p, params.seed, params.stop) == (False, 0.5, 7, ["\n\n"])
+    params = (await resolve_chat(chat_ctx, top_k=3, repetition_penalty=1.1, ignore_eos=True, stop_token_ids=[9])).params
+    assert (params.top_k, params.repetition_penalty, params.ignore_eos, params.stop_token_ids) == (3, 1.1, True, [9])
 
 
 # --------------------------------------------------------------------------------------------- responses
@@ -658,3 +814,17 @@ def test_models(client: TestClient) -> None:
     assert client.get(f"/v1/models/{MODEL}").json() == card
     assert_openai_error(client.get("/v1/models/org/other-model"), 404, "The model `org/other-model` does not exist",
                         "model", "model_not_found")
+
+
+@pytest.mark.parametrize(("method", "path", "status"), [
+    ("get", "/v1/nope", 404),
+    ("post", "/v1/embeddings", 404),
+    ("get", "/v1", 404),
+    ("get", COMPLETIONS, 405),
+    ("post", "/v1/models", 405),
+])
+def test_unknown_routes_answer_in_openai_format(client: TestClient, method: str, path: str, status: int) -> None:
+    """Not FastAPI's ``{"detail": ...}``: the openai client reads ``error.message``."""
+    code = "not_found" if status == 404 else "method_not_allowed"
+    message = assert_openai_error(client.request(method, path), status, path, None, code)
+    assert ("no such route" if status == 404 else "is not allowed") in message

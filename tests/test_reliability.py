@@ -34,6 +34,7 @@ import redis
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from api.metrics import ApiMetrics
 from api.pipeline import PipelineError, Submission
 from common import keys
 from common.protocol import Control, ErrorEvent, Finish, Job, SamplingParams, TokenEvent, TokenInfo, decode_event
@@ -289,7 +290,7 @@ def test_a_wall_clock_step_does_not_expire_a_running_job(base_engine: Transforme
 async def test_replayed_events_are_delivered_once(tiny_model_path: Path) -> None:
     """A re-delivered job is replayed from index 0 by its new worker: the API passes each index on once."""
     settings = Settings(model_path=tiny_model_path)
-    ctx = type("Ctx", (), {"settings": settings})()
+    ctx = type("Ctx", (), {"settings": settings, "metrics": ApiMetrics()})()
     job = Job(request_id="r", model="m", reply_channel="c", input_ids=[1], enqueued_at=time.time(),
               params=SamplingParams(seed=1, max_new_tokens=3), deadline=time.time() + 60)
     queue: asyncio.Queue[bytes] = asyncio.Queue()
@@ -305,7 +306,7 @@ async def test_replayed_events_are_delivered_once(tiny_model_path: Path) -> None
 async def test_events_that_arrive_after_the_deadline_are_not_relayed(tiny_model_path: Path) -> None:
     """Past its e2eTimeout deadline a request fails even while events keep coming in (a busy pod that is
     behind always has one queued), instead of running on to the end."""
-    ctx = type("Ctx", (), {"settings": Settings(model_path=tiny_model_path)})()
+    ctx = type("Ctx", (), {"settings": Settings(model_path=tiny_model_path), "metrics": ApiMetrics()})()
     job = Job(request_id="r", model="m", reply_channel="c", input_ids=[1], enqueued_at=time.time() - 2,
               params=SamplingParams(seed=1, max_new_tokens=3), deadline=time.time() - 1)
     queue: asyncio.Queue[bytes] = asyncio.Queue()
@@ -326,7 +327,7 @@ async def test_events_that_arrive_after_the_deadline_are_not_relayed(tiny_model_
 async def test_a_wall_clock_step_does_not_expire_a_submission(tiny_model_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The API times e2eTimeout on its monotonic clock from the moment it queued the job."""
-    ctx = type("Ctx", (), {"settings": Settings(model_path=tiny_model_path)})()
+    ctx = type("Ctx", (), {"settings": Settings(model_path=tiny_model_path), "metrics": ApiMetrics()})()
     job = Job(request_id="r", model="m", reply_channel="c", input_ids=[1], enqueued_at=time.time(),
               params=SamplingParams(seed=1, max_new_tokens=1), deadline=time.time() + 30)
     queue: asyncio.Queue[bytes] = asyncio.Queue()

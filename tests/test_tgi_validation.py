@@ -402,7 +402,7 @@ async def test_defaults_are_resolved(ctx, text_ids):
     assert request.decoder_input_details is False
     assert params.model_dump(exclude={"seed"}) == {
         "do_sample": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "typical_p": 1.0,
-        "repetition_penalty": 1.0, "max_new_tokens": 20, "stop": [],
+        "repetition_penalty": 1.0, "max_new_tokens": 20, "stop": [], "stop_token_ids": [], "ignore_eos": False,
     }
     assert 0 < params.seed <= U64_MAX
 

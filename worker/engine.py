@@ -11,7 +11,8 @@ it drives. Two engines implement :class:`Engine`, each in its own module, chosen
 
 What both share lives here too, so the two produce the same events for the same tokens: the per-request
 record (:class:`RequestState`), the text side (UTF-8-safe deltas, stop strings held back and excluded) and
-the rule that decides when a request ends and why (:meth:`RequestState.token_event`).
+the rule that decides when a request ends and why (:meth:`RequestState.token_event`, which applies the
+request's ``stop_token_ids`` and ``ignore_eos`` too).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class RequestState:
     job: Job
     stream: TextStream
     max_new_tokens: int  # the request's own limit, lowered to fit the total length cap
+    stop_ids: frozenset[int] = frozenset()  # the request's stop_token_ids
 
     prefill: list[TokenInfo] = field(default_factory=list)
     started_at: float = 0.0  # unix time of admission (the prefill), for the request's queue and inference times
@@ -84,13 +86,14 @@ class RequestState:
 
     def token_event(self, token: int, logprob: float, *, stopping: bool, eos: bool, special: bool) -> TokenEvent:
         """Record one generated token and decide whether the request ends with it: a stop string it
-        completes or a stop order (``stopping``) end it as ``stop_sequence``, then EOS, then its length."""
+        completes, one of its stop token ids or a stop order (``stopping``) end it as ``stop_sequence``, then
+        EOS (unless the request ignores it), then its length."""
         text, stopped = self.stream.push(token)
         generated = len(self.stream.ids)
         reason: FinishReason | None = None
-        if stopped or stopping:
+        if stopped or stopping or token in self.stop_ids:
             reason = "stop_sequence"
-        elif eos:
+        elif eos and not self.job.params.ignore_eos:
             reason = "eos_token"
         elif generated >= self.max_new_tokens:
             reason = "length"
@@ -117,7 +120,7 @@ class RequestState:
 def new_request_state(job: Job, decode: Decode, max_total_tokens: int) -> RequestState:
     """The state of a newly added job, its output limit lowered so prompt + output fit ``max_total_tokens``."""
     max_new = min(job.params.max_new_tokens, max_total_tokens - len(job.input_ids))
-    return RequestState(job, TextStream(decode, job.params.stop), max_new)
+    return RequestState(job, TextStream(decode, job.params.stop), max_new, frozenset(job.params.stop_token_ids))
 
 
 def limits_refusal(job: Job, max_total_tokens: int, vocab_size: int) -> str | None:

@@ -16,7 +16,6 @@ hosts) for a pool. What it promises under failures is in docs/reliability.md:
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
@@ -34,7 +33,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common import keys
 from common.logs import configure_logging
-from common.process import freeze_startup_heap
+from common.process import command_parser, freeze_startup_heap
 from common.protocol import Control, ErrorEvent, Job, WorkerStatus
 from common.settings import EngineName, Settings, settings_or_exit
 from worker.engine import Engine, EngineLoadError, StepOutput, load_engine
@@ -330,9 +329,9 @@ class WorkerLoop:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = command_parser("ferry-worker", __doc__.splitlines()[0])
     parser.add_argument("--redis-url", help="overrides REDIS_URL")
-    parser.add_argument("--model-path", help="overrides MODEL_PATH")
+    parser.add_argument("--model-path", help="model folder or Hugging Face model id; overrides MODEL_PATH")
     parser.add_argument("--model-name", help="the model to serve, one of the config's ModelConfig; overrides MODEL_NAME")
     parser.add_argument("--device", help="cpu, cuda[:n] or npu[:n]; overrides DEVICE")
     parser.add_argument("--engine", choices=get_args(EngineName), help="overrides ENGINE (default transformers)")
@@ -347,8 +346,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         freeze_startup_heap()
         loop = WorkerLoop(settings, Redis.from_url(settings.redis_url), engine)
-        if settings.worker_metrics_port:
-            loop.metrics.serve(settings.worker_metrics_port)
+        host, port = settings.worker_metrics_host, settings.worker_metrics_port
+        if port:
+            try:
+                loop.metrics.serve(port, host)
+            except OSError as exc:  # the port is taken, or the address is not one of this host
+                print(f"ferry-worker: cannot serve metrics on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+                raise SystemExit(1) from None
         signal.signal(signal.SIGTERM, lambda *_: loop.stop())
         loop.run()
     finally:

@@ -47,9 +47,10 @@ class WorkerMetrics:
             ["model"], buckets=STEP_BUCKETS, registry=self.registry,
         ).labels(model)
 
-    def serve(self, port: int) -> WSGIServer:
-        """Expose the registry on ``port`` of every interface, from a daemon thread; returns the server."""
-        server, _ = start_http_server(port, registry=self.registry)
+    def serve(self, port: int, host: str) -> WSGIServer:
+        """Expose the registry on ``host``:``port`` (``workerMetricsHost``: loopback unless the deployment opens
+        it), from a daemon thread; returns the server."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
         return server
 
     def observe_step(self, engine: Engine, outputs: list[StepOutput], seconds: float) -> None:

@@ -1,9 +1,10 @@
 """Make a tiny, reproducible Hugging Face model folder for development, tests and benchmarks.
 
 No model can be downloaded where this project is built and tested, so it makes its own: a byte-level BPE
-tokenizer trained with ``tokenizers`` on ``data/corpus.txt`` (code, English and Chinese) and a seeded,
-randomly initialised Llama model saved with ``save_pretrained``. Everything else loads the folder with the
-ordinary ``from_pretrained`` code, exactly as it would load a real model.
+tokenizer trained with ``tokenizers`` on ``data/corpus.txt`` (code, English and Chinese; the wheel ships it as
+package data), with a chat template, and a seeded, randomly initialised Llama model saved with
+``save_pretrained``. Everything else loads the folder with the ordinary ``from_pretrained`` code, exactly as it
+would load a real model.
 """
 
 from __future__ import annotations
@@ -16,10 +17,20 @@ from pathlib import Path
 
 CORPUS = Path(__file__).with_name("data") / "corpus.txt"
 BOS, EOS, UNK, PAD = "<s>", "</s>", "<unk>", "<pad>"
+# ChatML-like, starting with BOS as Llama's templates do, so that the OpenAI chat routes serve the tiny model
+# out of the box. Its markers are plain text to this tokenizer: the vocabulary stays as trained.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def _train_tokenizer(vocab_size: int):
     """Byte-level BPE with BOS/EOS, wrapped as a transformers fast tokenizer that adds BOS like Llama."""
+    if not CORPUS.is_file():  # else the tokenizers library fails with a bare "No such file or directory"
+        raise FileNotFoundError(
+            f"the tokenizer's training text {CORPUS} is missing: this install of ferry-llm lacks its package data"
+        )
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -38,7 +49,8 @@ def _train_tokenizer(vocab_size: int):
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
     )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, unk_token=UNK, pad_token=PAD
+        tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, unk_token=UNK, pad_token=PAD,
+        chat_template=CHAT_TEMPLATE,
     )
 
 
@@ -85,8 +97,9 @@ def make_tiny_model(out_dir: Path, *, vocab_size: int = 4096, seed: int = 0) -> 
 
 
 def ensure_tiny_model(out_dir: Path) -> Path:
-    """Make the model folder unless a complete one is already there."""
-    if not (Path(out_dir) / "config.json").exists():
+    """Make the model folder unless a complete one is already there; one made before the tiny model had a chat
+    template (no ``chat_template.jinja``) is made again, so that chat works on it too."""
+    if not (Path(out_dir) / "chat_template.jinja").exists():
         make_tiny_model(out_dir)
     return Path(out_dir)
 
@@ -97,7 +110,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-size", type=int, default=4096)
     args = parser.parse_args(argv)
-    path = make_tiny_model(args.out_dir, vocab_size=args.vocab_size, seed=args.seed)
+    try:
+        path = make_tiny_model(args.out_dir, vocab_size=args.vocab_size, seed=args.seed)
+    except FileNotFoundError as exc:
+        parser.exit(1, f"{parser.prog}: {exc}\n")
     print(path)
 
 

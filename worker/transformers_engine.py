@@ -18,6 +18,7 @@ from collections import deque
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from common.model_files import ModelUnavailable, model_file
 from common.protocol import ErrorEvent, Job, TokenEvent
 from common.settings import Settings
 from worker.attention import use_padded_attention
@@ -62,18 +63,48 @@ class TransformersEngine(Engine):
 
     @classmethod
     def load(cls, settings: Settings) -> "TransformersEngine":
-        """Load the model and tokenizer from ``settings.resolved_model_path`` onto ``settings.device``."""
-        path, remote = settings.resolved_model_path, settings.trust_remote_code
-        if settings.device.split(":", 1)[0] == "npu":
-            import torch_npu  # noqa: F401  (registers the npu device with torch)
+        """Load the model and tokenizer of ``settings.resolved_model_path`` (a folder or a Hugging Face id) onto
+        ``settings.device``. The device and the model's config are checked first, so that a wrong setting
+        costs a second and one line, not a model load and a traceback."""
+        path, remote, device = settings.resolved_model_path, settings.trust_remote_code, settings.device
+        kind = device.split(":", 1)[0]
+        if kind == "npu":
+            try:
+                import torch_npu  # noqa: F401  (registers the npu device with torch)
+            except ImportError:
+                raise EngineLoadError(f"device {device} is not available: torch_npu is not installed") from None
+        if kind != "cpu":
+            backend = getattr(torch, kind)
+            try:
+                index = torch.device(device).index or 0
+            except RuntimeError as exc:
+                raise EngineLoadError(f"device {device} is not valid: {exc}") from None
+            if not backend.is_available():
+                built = kind != "cuda" or torch.version.cuda is not None
+                raise EngineLoadError(f"device {device} is not available: "
+                                      + (f"no {kind} device is visible" if built else "torch was built without CUDA"))
+            if index >= backend.device_count():
+                raise EngineLoadError(f"device {device} is not available: {backend.device_count()} {kind} devices "
+                                      "are visible")
+        try:
+            model_file(path, "config.json")
+        except ModelUnavailable as exc:
+            raise EngineLoadError(str(exc)) from None
+        log.info("loading the model at %s (dtype %s, device %s)", path, settings.dtype, device)
+        started = time.monotonic()
         dtype = settings.dtype if settings.dtype == "auto" else getattr(torch, settings.dtype)
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=remote)
-            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=remote)
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, trust_remote_code=remote)
+            tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=remote)
         except (OSError, ValueError, ImportError) as exc:
             raise EngineLoadError.for_model(path, exc) from None
-        model.to(torch.device(settings.device)).eval()
+        try:
+            model.to(torch.device(device)).eval()
+        except RuntimeError as exc:  # out of device memory, most likely
+            raise EngineLoadError.for_model(path, exc, f"cannot move the model to {device}") from None
         use_padded_attention(model)
+        log.info("loaded the model at %s in %.1f s (dtype %s, device %s)", path, time.monotonic() - started,
+                 str(model.dtype).removeprefix("torch."), device)
         return cls(model, tokenizer, settings)
 
     # -- admission ---------------------------------------------------------------------------------

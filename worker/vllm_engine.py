@@ -16,7 +16,8 @@ What this engine leaves to vLLM and what it keeps, so both engines answer the sa
 - Ferry keeps the text: vLLM returns token ids only (``detokenize=False``); the shared
   :class:`worker.engine.RequestState` makes the UTF-8-safe deltas, holds back and excludes stop strings and
   decides the finish reason. EOS is the model's generation-config EOS set, given to vLLM as stop token ids
-  (with ``ignore_eos``) so both engines stop on the same tokens; a stop string or a stopInfer order aborts
+  (with ``ignore_eos``) so both engines stop on the same tokens, with the request's own ``stop_token_ids``
+  (and without the EOS set when the request has ``ignore_eos``); a stop string or a stopInfer order aborts
   the vLLM request at once.
 
 Engine arguments come from the settings (model, dtype, maxSeqLen, maxBatchSize, trustRemoteCode) plus
@@ -32,6 +33,7 @@ import os
 import time
 from typing import Any
 
+from common.model_files import ModelUnavailable, model_file
 from common.protocol import ErrorEvent, Job, TokenEvent
 from common.settings import Settings
 from worker.detokenizer import make_decoder
@@ -87,11 +89,20 @@ class VllmEngine(Engine):
 
     @classmethod
     def load(cls, settings: Settings) -> "VllmEngine":
+        """vLLM's engine over the model of ``settings`` (a folder or a Hugging Face id, which vLLM resolves
+        as ``from_pretrained`` does); the model's config is checked first, for one clear line when it is
+        missing."""
         path = str(settings.resolved_model_path)
         remote = settings.trust_remote_code
         kind, _, index = settings.device.partition(":")
         if index and kind in _VISIBLE_DEVICES:
             os.environ.setdefault(_VISIBLE_DEVICES[kind], index)
+        try:
+            model_file(settings.resolved_model_path, "config.json")
+        except ModelUnavailable as exc:
+            raise EngineLoadError(str(exc)) from None
+        log.info("loading the model at %s (dtype %s, device %s)", path, settings.dtype, settings.device)
+        started = time.monotonic()
         try:
             config = AutoConfig.from_pretrained(path, trust_remote_code=remote)
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=remote)
@@ -116,6 +127,8 @@ class VllmEngine(Engine):
             engine = LLMEngine.from_engine_args(EngineArgs(**arguments))
         except (TypeError, ValueError, RuntimeError, OSError) as exc:
             raise EngineLoadError.for_model(path, exc, "vLLM cannot serve the model") from None
+        log.info("loaded the model at %s in %.1f s (dtype %s, device %s)", path, time.monotonic() - started,
+                 str(engine.vllm_config.model_config.dtype).removeprefix("torch."), settings.device)
         return cls(engine, tokenizer, settings, eos_token_ids(generation, config))
 
     # -- admission ---------------------------------------------------------------------------------
@@ -146,6 +159,8 @@ class VllmEngine(Engine):
     def _sampling_params(self, state: RequestState) -> SamplingParams:
         params = state.job.params
         sampled = params.do_sample
+        # vLLM stops on EOS (unless the request ignores it) and the request's stop ids, as RequestState decides
+        stop_ids = state.stop_ids if params.ignore_eos else state.stop_ids | self._eos_ids
         return SamplingParams(
             temperature=params.temperature if sampled else 0.0,
             top_k=params.top_k if sampled else 0,
@@ -154,7 +169,7 @@ class VllmEngine(Engine):
             seed=params.seed if sampled else None,
             max_tokens=state.max_new_tokens,
             ignore_eos=True,
-            stop_token_ids=sorted(self._eos_ids),
+            stop_token_ids=sorted(stop_ids),
             logprobs=0,
             prompt_logprobs=0 if state.job.decoder_input_details else None,
             detokenize=False,
