@@ -15,20 +15,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from common.protocol import Job, SamplingParams, TokenEvent
 from common.settings import Settings
+from tests.test_engine_contract import PROMPTS
 from worker.attention import PADDED_SDPA, use_padded_attention
 from worker.engine import StepOutput
 from worker.transformers_engine import TransformersEngine
 
-PROMPTS = [
-    "def add(a, b):",
-    "The quick brown fox jumps over the lazy dog because",
-    "你好，世界",
-    "import torch\nimport numpy as np\n\nclass Model:",
-    "a",
-    "Once upon a time there was a little server that answered every request",
-    "数据结构与算法",
-    "for i in range(10):\n    print(i)",
-]
 _request_ids = itertools.count()
 
 
