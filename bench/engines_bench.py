@@ -17,7 +17,7 @@ one workload, generated tokens per second and time to first token of five sides:
 The model: about 28M parameters, made here and cached in ``--model-dir`` (hidden 512, intermediate 1536,
 8 layers, 8 heads of 64, 2 KV heads; the tiny model's tokenizer and vocabulary of 4096, seeded random weights),
 with ``eos_token_id: null`` in ``config.json`` and ``generation_config.json`` (as serve_bench.py does) and
-vLLM's ``ignore_eos`` / ``min_tokens``, so every request of every side generates exactly ``--new-tokens``
+``ignore_eos`` (vLLM's, which Ferry honours too), so every request of every side generates exactly ``--new-tokens``
 (64); a request with another count is an error. Prompts are ``--prompt-tokens`` (32) random token ids
 (bench_engine.make_prompts), sent as token ids, so no tokenizer changes their length; float32 and greedy
 decoding everywhere. Every server gets the same client (bench/loadgen.py): closed-loop, streamed OpenAI
@@ -329,7 +329,7 @@ def vllm_offline(cfg: Config) -> Iterator[Side]:
     llm = LLM(model=str(cfg.model), dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=cfg.max_batch,
               seed=0, **cfg.engine_args)
     pids = [child.pid for child in psutil.Process().children() if child.pid not in before]
-    params = SamplingParams(temperature=0.0, max_tokens=cfg.new_tokens, min_tokens=cfg.new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=cfg.new_tokens, ignore_eos=True)
 
     def run(prompts: list[list[int]], concurrency: int) -> dict[str, Any]:
         records: list[RequestRecord] = []

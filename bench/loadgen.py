@@ -79,12 +79,12 @@ def tgi_body(prompt: str, prompt_tokens: int, new_tokens: int, details: bool) ->
 
 def completion_body(model: str, prompt_ids: list[int], new_tokens: int) -> dict[str, Any]:
     """A greedy streamed OpenAI ``/v1/completions`` request of exactly ``new_tokens`` tokens. The prompt is
-    token ids, so no server's tokenizer changes its length; ``min_tokens`` and ``ignore_eos`` (vLLM's
-    extensions; servers that do not know them ignore them) keep EOS from ending it early; the usage chunk
+    token ids, so no server's tokenizer changes its length; ``ignore_eos`` (vLLM's extension, which Ferry
+    honours too) keeps EOS from ending it early; the usage chunk
     gives the number of tokens generated (a token whose text is still incomplete UTF-8 has no chunk)."""
     return {
-        "model": model, "prompt": prompt_ids, "max_tokens": new_tokens, "min_tokens": new_tokens,
-        "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+        "model": model, "prompt": prompt_ids, "max_tokens": new_tokens, "ignore_eos": True,
+        "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
     }
 
 
