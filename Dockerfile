@@ -20,6 +20,7 @@ COPY README.md LICENSE ./
 COPY common common
 COPY api api
 COPY worker worker
+COPY server server
 # The wheel holds worker/data/corpus.txt (package data), which ferry-tiny-model trains the tokenizer on.
 RUN pip install --no-deps . && rm -rf build
 # An unprivileged user owns /models (FERRY_HOME): a new volume mounted there takes this owner.

@@ -90,7 +90,7 @@ from loadgen import COMPLETIONS_ROUTE, RequestRecord, completion_body, run_level
 import serve_bench  # noqa: E402
 from serve_bench import Workload, _ms, _table, deploy, in_process, machine_facts, model_without_eos  # noqa: E402
 
-from api.embedded import embedded_redis  # noqa: E402
+from server.embedded import embedded_redis  # noqa: E402
 from common.settings import Settings, default_model_dir  # noqa: E402
 from tests.conftest import free_port, wait_healthy  # noqa: E402
 from worker.tiny_model import ensure_tiny_model  # noqa: E402

@@ -57,7 +57,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from bench_engine import make_prompts  # noqa: E402
 from loadgen import COLLECT_ROUTE, STREAM_ROUTE, RequestRecord, run_level, summarize, tgi_body  # noqa: E402
 
-from api.embedded import embedded_redis  # noqa: E402
+from server.embedded import embedded_redis  # noqa: E402
 from common.process import freeze_startup_heap  # noqa: E402
 from common.protocol import ErrorEvent, Job, SamplingParams  # noqa: E402
 from common.settings import Settings, default_model_dir  # noqa: E402

@@ -26,7 +26,7 @@ sys.path[:0] = [str(BENCH.parent), str(BENCH)]
 
 from serve_bench import model_without_eos  # noqa: E402
 
-from api.embedded import embedded_redis  # noqa: E402
+from server.embedded import embedded_redis  # noqa: E402
 from common import keys  # noqa: E402
 from common.process import freeze_startup_heap  # noqa: E402
 from common.protocol import Job, SamplingParams  # noqa: E402

@@ -33,7 +33,7 @@ def run_server(tmp_path: Path, tiny_model_path: Path, *args: str) -> tuple[subpr
     shutil.copytree(tiny_model_path, tmp_path / "home" / "tiny-llama")
     log = open(tmp_path / "server.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "api.embedded", "--port", str(port), *args], env=env, stdout=log, stderr=log
+        [sys.executable, "-m", "server.embedded", "--port", str(port), *args], env=env, stdout=log, stderr=log
     )
     return proc, f"http://127.0.0.1:{port}"
 

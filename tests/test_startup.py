@@ -18,7 +18,7 @@ import httpx
 import pytest
 import torch
 
-import api.embedded
+import server.embedded
 import api.main
 import worker.main
 from common.model_files import ModelUnavailable, model_file
@@ -32,9 +32,9 @@ REPO = Path(__file__).resolve().parents[1]
 HUB_ID = "ferry/tiny-llama"
 SNAPSHOT = "0123456789abcdef0123456789abcdef01234567"
 COMMANDS: dict[str, Callable[[list[str] | None], None]] = {
-    "ferry-server": api.embedded.main, "ferry-api": api.main.main, "ferry-worker": worker.main.main,
+    "ferry-server": server.embedded.main, "ferry-api": api.main.main, "ferry-worker": worker.main.main,
 }
-MODULES = {"ferry-server": "api.embedded", "ferry-api": "api.main", "ferry-worker": "worker.main"}
+MODULES = {"ferry-server": "server.embedded", "ferry-api": "api.main", "ferry-worker": "worker.main"}
 
 
 def command_env(**extra: str) -> dict[str, str]:
