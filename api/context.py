@@ -9,10 +9,10 @@ from pathlib import Path
 
 from fastapi import Request
 from redis.asyncio import Redis
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from api.metrics import ApiMetrics
 from api.relay import EventRelay
+from api.tokenizer import ApiTokenizer
 from common.model_files import model_file, optional_model_file
 from common.settings import ModelEntry, Settings
 
@@ -25,7 +25,7 @@ class ModelInfo:
 
     model_id: str
     path: Path
-    tokenizer: PreTrainedTokenizerBase
+    tokenizer: ApiTokenizer
     vocab_size: int
     max_position_embeddings: int
     dtype: str
@@ -45,7 +45,7 @@ class ModelInfo:
         return cls(
             model_id=entry.name,
             path=path,
-            tokenizer=AutoTokenizer.from_pretrained(str(entry.path)),
+            tokenizer=ApiTokenizer.load(entry.path),
             vocab_size=vocab_size,
             max_position_embeddings=int(config.get("max_position_embeddings") or MAX_INPUT_TOKENS_HARD_CAP),
             dtype=str(config.get("torch_dtype") or config.get("dtype") or settings.dtype),

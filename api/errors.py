@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from fastapi import Request, Response
@@ -21,7 +21,6 @@ from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-from api.pipeline import PipelineError
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +71,6 @@ def validation_error(
     errors = exc.errors()
     message = VALIDATION_PREFIX + describe_validation_errors(errors, body_sent)
     return ProtocolError(status, message, "validation", _field(errors[0]) or None)
-
-
-def pipeline_error(exc: PipelineError, statuses: Mapping[str, int]) -> ProtocolError:
-    """A pipeline failure as a protocol error: the adapter's status for its type (500 when it has none), and
-    the validation prefix on a validation failure (a request id already in flight)."""
-    message = VALIDATION_PREFIX + exc.message if exc.error_type == "validation" else exc.message
-    return ProtocolError(statuses.get(exc.error_type, 500), message, exc.error_type)
 
 
 class BodyTooLarge(HTTPException):

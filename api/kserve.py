@@ -2,7 +2,7 @@
 Triton's generate extension (``/generate``, ``/generate_stream``), model configuration, repository index and
 statistics extensions (``/config``, ``/v2/repository/index``, ``/stats``).
 
-A thin translation over :mod:`api.pipeline`, like :mod:`api.tgi`. Every error is KServe's
+A thin translation onto :mod:`api.inference`, like :mod:`api.tgi`. Every error is KServe's
 ``{"error": "..."}``: 400 for a bad request, 404 for an unknown model, 503 when not ready, 500 when
 generation fails. The infer route reads its body itself because Triton clients send tensors with the
 binary tensor data extension by default: a JSON header of ``Inference-Header-Content-Length`` bytes,
@@ -19,7 +19,7 @@ records them in the pod's metrics, which ``/stats`` reads). The model has no ver
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Annotated
+from typing import Annotated, Any
 
 import numpy as np
 import orjson
@@ -31,7 +31,7 @@ from redis.exceptions import RedisError
 
 from api import __version__
 from api.context import ServerContext, get_ctx
-from api.errors import VALIDATION_PREFIX, ProtocolError, error_route_class, pipeline_error, validation_error
+from api.errors import ProtocolError, error_route_class, validation_error
 from api.kserve_schemas import (
     DATATYPE,
     INPUT_NAME,
@@ -57,22 +57,11 @@ from api.kserve_schemas import (
     StatisticDuration,
     StopInferRequest,
 )
-from api.pipeline import (
-    GenerationRequest,
-    GenerationResult,
-    PipelineError,
-    effective_max_new_tokens,
-    generate,
-    new_request_id,
-    random_seed,
-    send_control,
-    submit,
-    tokenize,
-    unready_reason,
-)
+from api.inference import REST_STATUSES, InferenceRequest, Protocol, generate, resolve, resolve_ids, submit
+from api.pipeline import GenerationRequest, GenerationResult, send_control, unready_reason
 from api.sse import event_stream
 from common import keys
-from common.protocol import Control, SamplingParams, TokenEvent
+from common.protocol import Control, TokenEvent
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 UINT32_LE = np.dtype("<u4")
@@ -83,15 +72,8 @@ PLATFORM = "pytorch_transformers"
 MODEL_VERSION = ""  # the model has no versions
 TENSOR_SHAPE = (1, -1)  # input0 and output0: one sequence of any length
 CONFIG_DATATYPE = f"TYPE_{DATATYPE}"  # Triton's model configuration names datatypes so
-# KServe statuses for each pipeline failure.
-PIPELINE_STATUS = {
-    "validation": 400,
-    "generation": 500,
-    "incomplete_generation": 500,
-    "overloaded": 503,
-    "unavailable": 503,
-    "client_disconnected": 499,
-}
+# KServe's statuses for each pipeline failure; SPEC.md section 2's limits are errors, not clamps.
+KSERVE = Protocol(statuses=REST_STATUSES, strict_limits=True, model_default_top_k=False)
 
 
 def render_kserve_error(exc: ProtocolError) -> Response:
@@ -112,7 +94,7 @@ NOT_READY = {503: {"model": KServeErrorResponse, "description": "No live worker 
 
 
 def _invalid(message: str) -> ProtocolError:
-    return ProtocolError(400, VALIDATION_PREFIX + message, "validation")
+    return KSERVE.invalid(message)
 
 
 Ctx = Annotated[ServerContext, Depends(get_ctx)]
@@ -164,59 +146,28 @@ def _token_ids(tensor: KServeInput, binary: bytes) -> list[int]:
     return np.frombuffer(binary, dtype=UINT32_LE).tolist()
 
 
-def _check_prompt_length(ctx: ServerContext, field: str, count: int) -> None:
-    if count > ctx.max_input_tokens:
-        raise _invalid(f"`{field}` must have at most {ctx.max_input_tokens} tokens. Given: {count}")
-
-
-def _sampling(ctx: ServerContext, params: SamplingParameters, stop: list[str]) -> SamplingParams:
-    """Apply the rules that need the model and server limits, and resolve every default."""
-    vocab_size = ctx.model.vocab_size
-    if params.top_k is not None and params.top_k >= vocab_size:
-        raise _invalid(f"`top_k` must be < the vocabulary size {vocab_size}. Given: {params.top_k}")
-    limit = ctx.settings.max_iter_times
-    if params.max_new_tokens is not None and params.max_new_tokens > limit:
-        raise _invalid(f"`max_new_tokens` must be <= {limit} (maxIterTimes). Given: {params.max_new_tokens}")
-    return SamplingParams(
-        do_sample=bool(params.do_sample),
-        temperature=params.temperature if params.temperature is not None else 1.0,
-        top_k=params.top_k or 0,
-        top_p=params.top_p if params.top_p is not None else 1.0,
-        repetition_penalty=params.repetition_penalty if params.repetition_penalty is not None else 1.0,
-        seed=params.seed if params.seed is not None else random_seed(),
-        max_new_tokens=effective_max_new_tokens(ctx, params.max_new_tokens),
-        stop=stop,
+def _inference_request(
+    params: SamplingParameters, prompt_field: str, request_id: str | None = None, stop: list[str] | None = None,
+    **prompt: Any,
+) -> InferenceRequest:
+    """The KServe parameters as the protocol-neutral request (``prompt``: its ``token_ids`` or ``text``)."""
+    return InferenceRequest.with_sampling(
+        params, request_id=request_id, prompt_field=prompt_field, do_sample=bool(params.do_sample), stop=stop or [],
+        **prompt,
     )
 
 
 def to_generation_request(ctx: ServerContext, body: KServeInferRequest, binary: bytes = b"") -> GenerationRequest:
-    """The infer request as a pipeline request: its ids checked against the model, defaults resolved."""
-    ids = _token_ids(body.input, binary)
-    _check_prompt_length(ctx, "inputs[0].data", len(ids))
-    vocab_size = ctx.model.vocab_size
-    bad = next((i for i in ids if i >= vocab_size), None)
-    if bad is not None:
-        raise _invalid(f"`inputs[0].data` token ids must be < the vocabulary size {vocab_size}. Given: {bad}")
-    return GenerationRequest(
-        request_id=body.id or new_request_id(), input_ids=ids, params=_sampling(ctx, body.sampling, [])
-    )
+    """The infer request as a pipeline request (:func:`api.inference.resolve_ids`)."""
+    request = _inference_request(body.sampling, "inputs[0].data", body.id, token_ids=_token_ids(body.input, binary))
+    return resolve_ids(ctx, KSERVE, request)
 
 
 async def text_to_generation_request(ctx: ServerContext, body: KServeGenerateRequest) -> GenerationRequest:
-    """The generate extension's request as a pipeline request: the text tokenized, defaults resolved."""
-    ids = await tokenize(ctx, body.text_input)
-    _check_prompt_length(ctx, "text_input", len(ids))
+    """The generate extension's request as a pipeline request (:func:`api.inference.resolve`)."""
     params = body.sampling
-    return GenerationRequest(
-        request_id=new_request_id(), input_ids=ids, params=_sampling(ctx, params, params.stop or [])
-    )
-
-
-async def _run(ctx: ServerContext, request: GenerationRequest, http: Request) -> GenerationResult:
-    try:
-        return await generate(ctx, request, http)
-    except PipelineError as exc:
-        raise pipeline_error(exc, PIPELINE_STATUS) from None
+    request = _inference_request(params, "text_input", stop=params.stop, text=body.text_input)
+    return await resolve(ctx, KSERVE, request)
 
 
 def infer_response(
@@ -256,7 +207,7 @@ async def infer(request: Request, ctx: Ctx) -> Response:
     """Token ids in, token ids out (SPEC.md section 2)."""
     body, binary = parse_infer_body(await request.body(), request.headers.get(HEADER_LENGTH))
     generation = to_generation_request(ctx, body, binary)
-    return infer_response(ctx, body, generation, await _run(ctx, generation, request))
+    return infer_response(ctx, body, generation, await generate(ctx, KSERVE, generation, request))
 
 
 @router.post(
@@ -266,7 +217,7 @@ async def infer(request: Request, ctx: Ctx) -> Response:
 )
 async def generate_route(body: KServeGenerateRequest, ctx: Ctx, http: Request) -> KServeGenerateResponse:
     """Triton's generate extension: text in, generated text out."""
-    result = await _run(ctx, await text_to_generation_request(ctx, body), http)
+    result = await generate(ctx, KSERVE, await text_to_generation_request(ctx, body), http)
     return KServeGenerateResponse(
         model_name=ctx.model.model_id, model_version=MODEL_VERSION, text_output=result.finish.generated_text
     )
@@ -280,11 +231,7 @@ async def generate_route(body: KServeGenerateRequest, ctx: Ctx, http: Request) -
 )
 async def generate_stream_route(body: KServeGenerateRequest, ctx: Ctx) -> Response:
     """The generate extension as SSE; the body is validated before the stream starts (400 otherwise)."""
-    request = await text_to_generation_request(ctx, body)
-    try:
-        submission = await submit(ctx, request)
-    except PipelineError as exc:
-        raise pipeline_error(exc, PIPELINE_STATUS) from None
+    submission = await submit(ctx, KSERVE, await text_to_generation_request(ctx, body))
 
     async def render(events: AsyncIterator[TokenEvent]) -> AsyncIterator[str]:
         """One event per token with its text delta."""

@@ -1,8 +1,8 @@
 """Request and response shapes of the KServe v2 / Triton routes, with SPEC.md section 2's rules.
 
 Field rules live on the models (one validator per rule, each message naming its field); rules that need
-the model (vocabulary size), the server limits or the request's binary tensor data live in
-:mod:`api.kserve`.
+the model (vocabulary size) or the server limits live in :mod:`api.inference`; the request's binary
+tensor data is read in :mod:`api.kserve`.
 
 Sampling parameters are accepted in three places, all optional: ``inputs[0].parameters`` (where the seed
 puts them), the request's ``parameters`` object (KServe's place for request parameters, where

@@ -1,6 +1,6 @@
 """OpenAI-compatible routes under ``/v1``: completions, chat completions (both also as SSE streams) and models.
 
-A thin translation over :mod:`api.pipeline`, like :mod:`api.tgi`. Every error is OpenAI's
+A thin translation onto :mod:`api.inference`, like :mod:`api.tgi`. Every error is OpenAI's
 ``{"error": {"message", "type", "param", "code"}}``: 400 ``invalid_request_error`` for a bad request
 (OpenAI answers validation errors with 400, not 422), 404 ``model_not_found`` for a ``model`` the pod does
 not serve, 5xx ``server_error`` when generation fails. A failure after a stream started is a last
@@ -22,17 +22,14 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from functools import partial
-from typing import Annotated
+from typing import Annotated, Any
 
-import anyio
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
-from jinja2 import TemplateError
 from pydantic import BaseModel
 
 from api.context import ModelInfo, ServerContext, get_ctx
-from api.errors import VALIDATION_PREFIX, ProtocolError, error_route_class, pipeline_error
+from api.errors import ProtocolError, error_route_class
 from api.openai_schemas import (
     ChatChoice,
     ChatChunkChoice,
@@ -52,33 +49,18 @@ from api.openai_schemas import (
     SamplingRequest,
     Usage,
 )
-from api.pipeline import (
-    GenerationRequest,
-    PipelineError,
-    effective_max_new_tokens,
-    generate,
-    new_request_id,
-    random_seed,
-    submit,
-    tokenize,
-)
+from api.inference import REST_STATUSES, InferenceRequest, Protocol, generate, new_request_id, resolve, submit
+from api.pipeline import GenerationRequest, PipelineError
 from api.sse import event_stream
-from common.protocol import Finish, SamplingParams, TokenEvent
+from common.protocol import Finish, TokenEvent
 
 OWNED_BY = "ferry"
 GREEDY_TEMPERATURE = 1e-5  # vLLM's threshold: a lower temperature is greedy decoding
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DONE = "[DONE]"
 FINISH_REASONS: dict[str, OpenAIFinishReason] = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
-# OpenAI statuses for each pipeline failure (503 is OpenAI's "overloaded, retry later").
-PIPELINE_STATUS = {
-    "validation": 400,
-    "generation": 500,
-    "incomplete_generation": 500,
-    "overloaded": 503,
-    "unavailable": 503,
-    "client_disconnected": 499,
-}
+# OpenAI's statuses for each pipeline failure (503 is OpenAI's "overloaded, retry later").
+OPENAI = Protocol(statuses=REST_STATUSES, too_long_code="context_length_exceeded")
 
 
 def openai_error(exc: ProtocolError) -> OpenAIErrorResponse:
@@ -109,10 +91,6 @@ STREAM_RESPONSE = {"content": {"text/event-stream": {}},
 Ctx = Annotated[ServerContext, Depends(get_ctx)]
 
 
-def _invalid(message: str, param: str | None, code: str = "validation") -> ProtocolError:
-    return ProtocolError(400, VALIDATION_PREFIX + message, code, param)
-
-
 def _unknown_model(ctx: ServerContext, model: str) -> ProtocolError:
     served = ", ".join(f"`{name}`" for name in ctx.models)
     return ProtocolError(404, f"The model `{model}` does not exist: this server serves {served}.", "model_not_found",
@@ -130,31 +108,24 @@ def model_context(ctx: ServerContext, model: str) -> ServerContext:
     return named
 
 
-def _check_prompt_length(ctx: ServerContext, field: str, ids: list[int]) -> None:
-    if len(ids) > ctx.max_input_tokens:
-        raise _invalid(f"`{field}` must have at most {ctx.max_input_tokens} tokens. Given: {len(ids)}", field,
-                       "context_length_exceeded")
-
-
-def _sampling(
-    ctx: ServerContext, body: SamplingRequest, max_tokens: int | None, default_max_tokens: int
-) -> SamplingParams:
-    """The OpenAI sampling fields as the pipeline's, every default resolved."""
+def _inference_request(body: SamplingRequest, request_id: str, max_tokens: int | None, default_max_tokens: int | None,
+                       **prompt: Any) -> InferenceRequest:
+    """The OpenAI sampling fields in the pipeline's meaning: ``temperature`` below 1e-5 is greedy (vLLM's
+    rule), ``top_k`` -1 and 0 are off, a negative ``seed`` wraps to uint64. ``prompt``: the request's
+    ``text``, ``token_ids`` or ``messages``."""
     temperature = 1.0 if body.temperature is None else body.temperature
     greedy = temperature < GREEDY_TEMPERATURE
-    vocab_size = ctx.model.vocab_size
-    bad = next((i for i in body.stop_token_ids or () if i >= vocab_size), None)
-    if bad is not None:
-        raise _invalid(f"`stop_token_ids` must be < the vocabulary size {vocab_size}. Given: {bad}", "stop_token_ids")
-    top_k = ctx.model.default_top_k if body.top_k is None else max(body.top_k, 0)  # vLLM: -1 and 0 are off
-    return SamplingParams(
+    return InferenceRequest(
+        request_id=request_id,
+        **prompt,
         do_sample=not greedy,
-        temperature=1.0 if greedy else temperature,
-        top_k=min(top_k, vocab_size),
-        top_p=1.0 if body.top_p is None else body.top_p,
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-        seed=random_seed() if body.seed is None else body.seed % 2**64,
-        max_new_tokens=effective_max_new_tokens(ctx, max_tokens, default_max_tokens),
+        temperature=None if greedy else temperature,
+        top_k=None if body.top_k is None else max(body.top_k, 0),
+        top_p=body.top_p,
+        repetition_penalty=body.repetition_penalty,
+        seed=None if body.seed is None else body.seed % 2**64,
+        max_new_tokens=max_tokens,
+        default_max_new_tokens=default_max_tokens,
         stop=body.stop or [],
         stop_token_ids=body.stop_token_ids or [],
         ignore_eos=bool(body.ignore_eos),
@@ -162,40 +133,19 @@ def _sampling(
 
 
 async def to_completion_request(ctx: ServerContext, body: CompletionRequest, request_id: str) -> GenerationRequest:
-    """``/v1/completions`` as a pipeline request for the model of ``ctx`` (:func:`model_context`): the prompt
-    tokenized (or its ids checked), defaults resolved."""
-    if isinstance(body.prompt, str):
-        ids = await tokenize(ctx, body.prompt)
-    else:
-        ids = body.prompt  # the schema made a list prompt one list of ids
-        bad = next((i for i in ids if i >= ctx.model.vocab_size), None)
-        if bad is not None:
-            raise _invalid(f"`prompt` token ids must be < the vocabulary size {ctx.model.vocab_size}. Given: {bad}",
-                           "prompt")
-    _check_prompt_length(ctx, "prompt", ids)
-    params = _sampling(ctx, body, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
-    return GenerationRequest(request_id=request_id, input_ids=ids, params=params)
+    """``/v1/completions`` as a pipeline request for the model of ``ctx`` (:func:`model_context`)."""
+    prompt = {"text": body.prompt} if isinstance(body.prompt, str) else {"token_ids": body.prompt}
+    request = _inference_request(body, request_id, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS,
+                                 prompt_field="prompt", **prompt)
+    return await resolve(ctx, OPENAI, request)
 
 
 async def to_chat_request(ctx: ServerContext, body: ChatCompletionRequest, request_id: str) -> GenerationRequest:
     """``/v1/chat/completions`` as a pipeline request for the model of ``ctx`` (:func:`model_context`): the
-    messages rendered with the model's chat template (ending with the assistant's turn), then tokenized without
-    adding special tokens, as ``transformers`` and vLLM do (a template that starts with BOS would otherwise get
-    two)."""
-    tokenizer = ctx.model.tokenizer
-    if tokenizer.chat_template is None:
-        raise _invalid(f"the model `{ctx.model.model_id}` has no chat template, so it cannot take `messages`: "
-                       "use /v1/completions with a `prompt`", "messages")
-    render = partial(tokenizer.apply_chat_template, [m.for_template() for m in body.messages],
-                     add_generation_prompt=True, tokenize=False)
-    try:
-        prompt = await anyio.to_thread.run_sync(render)
-    except TemplateError as exc:
-        raise _invalid(f"the model's chat template rejected the `messages`: {exc}", "messages") from None
-    ids = await tokenize(ctx, prompt, add_special_tokens=False)  # the template placed BOS if the model wants it
-    _check_prompt_length(ctx, "messages", ids)
-    params = _sampling(ctx, body, body.token_limit, ctx.settings.max_iter_times)
-    return GenerationRequest(request_id=request_id, input_ids=ids, params=params)
+    messages go through the model's chat template; ``max_tokens`` defaults to maxIterTimes."""
+    request = _inference_request(body, request_id, body.token_limit, None, prompt_field="messages",
+                                 messages=[m.for_template() for m in body.messages])
+    return await resolve(ctx, OPENAI, request)
 
 
 def _usage(finish: Finish) -> Usage:
@@ -273,10 +223,7 @@ def _chunk_json(chunk: BaseModel, include_usage: bool) -> str:
 async def _stream(ctx: ServerContext, request: GenerationRequest, shape: Shape, include_usage: bool) -> Response:
     """Queue the request (failures answer with a status), then stream: the opening chunks, one chunk per
     non-empty text delta, the closing chunk with the finish reason, the usage chunk when asked for, ``[DONE]``."""
-    try:
-        submission = await submit(ctx, request)
-    except PipelineError as exc:
-        raise pipeline_error(exc, PIPELINE_STATUS) from None
+    submission = await submit(ctx, OPENAI, request)
 
     async def render(events: AsyncIterator[TokenEvent]) -> AsyncIterator[str]:
         for chunk in shape.opening():
@@ -291,7 +238,7 @@ async def _stream(ctx: ServerContext, request: GenerationRequest, shape: Shape, 
         yield DONE
 
     def render_error(exc: PipelineError) -> str:
-        return openai_error(pipeline_error(exc, PIPELINE_STATUS)).model_dump_json()
+        return openai_error(OPENAI.failure(exc)).model_dump_json()
 
     return event_stream(submission, render, render_error)
 
@@ -302,10 +249,7 @@ async def _respond(
     """The stream when asked for, else the whole response once generation finishes."""
     if body.stream:
         return await _stream(ctx, request, shape, body.include_usage)
-    try:
-        result = await generate(ctx, request, http)
-    except PipelineError as exc:
-        raise pipeline_error(exc, PIPELINE_STATUS) from None
+    result = await generate(ctx, OPENAI, request, http)
     return JSONResponse(shape.response(result.finish).model_dump())
 
 

@@ -1,8 +1,8 @@
-"""The one request path every protocol adapter uses: queue a job, relay its events.
+"""The job path under every protocol: queue a resolved :class:`GenerationRequest`, relay its events.
 
-Adapters (TGI, KServe v2, ...) validate their own request shape, build a :class:`GenerationRequest` and
-call :func:`generate`, or :func:`submit` and :meth:`Submission.events` to stream; they only translate
-shapes and map :class:`PipelineError` types to their statuses, never touch Redis themselves.
+Adapters reach it through :mod:`api.inference` (which resolves their requests and maps a
+:class:`PipelineError` to their status): :func:`generate`, or :func:`submit` and :meth:`Submission.events` to
+stream. Nothing else touches the job stream or the reply channels.
 """
 
 from __future__ import annotations
@@ -11,11 +11,9 @@ import asyncio
 import logging
 import math
 import re
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
-from functools import partial
 
 import anyio
 from pydantic import BaseModel, Field
@@ -36,7 +34,6 @@ MAX_INPUT_CHARS = 4 * 1024 * 1024  # SPEC.md: a text prompt has at most 4 MiB of
 MAX_STOP_ITEMS = 1024
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOTAL_CHARS = 32768
-INLINE_TOKENIZE_CHARS = 256  # the tiny model's fast tokenizer: ~140 µs for 200 chars, 1.3 ms for 2048
 
 
 class PipelineError(Exception):
@@ -68,15 +65,6 @@ class GenerationResult(BaseModel):
     duration: float = Field(0.0, ge=0, description="seconds from queueing to the last token, as this pod saw them")
 
 
-def new_request_id() -> str:
-    return uuid.uuid4().hex
-
-
-def random_seed() -> int:
-    """A server-chosen seed in the spec's range (0, 2^64-1], sent with the job so a retry reproduces it."""
-    return secrets.randbelow(2**64 - 1) + 1
-
-
 def check_text(field: str, value: str) -> str:
     """Reject text that is not valid Unicode (a JSON escape like "\\ud800" yields a lone surrogate), which
     neither the tokenizer nor the job's JSON could carry."""
@@ -101,16 +89,6 @@ def validate_stop(value: list[str] | str | None) -> list[str]:
     return stops
 
 
-async def tokenize(ctx: ServerContext, text: str, add_special_tokens: bool = True) -> list[int]:
-    """The prompt's token ids. A long prompt is tokenized off the event loop (it takes a while); a short one
-    on it, since handing it to a thread costs more than the tokenizing. Text rendered by a chat template
-    already holds the special tokens it needs (BOS too): it takes ``add_special_tokens=False``."""
-    encode = partial(ctx.model.tokenizer, text, add_special_tokens=add_special_tokens)
-    if len(text) <= INLINE_TOKENIZE_CHARS:
-        return encode()["input_ids"]
-    return (await anyio.to_thread.run_sync(encode))["input_ids"]
-
-
 async def unready_reason(ctx: ServerContext) -> str | None:
     """Why the pod cannot serve now (Redis down, no live worker of the model), or None when it can."""
     try:
@@ -120,11 +98,6 @@ async def unready_reason(ctx: ServerContext) -> str | None:
     if workers == 0:
         return f"no live worker serves model {ctx.model.model_id}"
     return None
-
-
-def effective_max_new_tokens(ctx: ServerContext, requested: int | None, default: int = 20) -> int:
-    """SPEC.md: the limit actually applied is min(maxIterTimes, max_new_tokens)."""
-    return min(ctx.settings.max_iter_times, requested if requested is not None else default)
 
 
 CLOSE_TIMEOUT_SECONDS = 5.0
@@ -139,13 +112,16 @@ class Submission:
     drop it so no compute is spent on a client that left.
     """
 
-    def __init__(self, ctx: ServerContext, job: Job, queue: asyncio.Queue[bytes], request_id: str | None = None) -> None:
+    def __init__(self, ctx: ServerContext, job: Job, queue: asyncio.Queue[bytes], request_id: str,
+                 queued_at: float) -> None:
         self.ctx = ctx
         self.job = job
         # The client's id (x-request-id, KServe `id`); the job's own id adds a nonce to it (see _queue).
-        self.request_id = request_id or job.request_id
+        self.request_id = request_id
         self._queue = queue
-        self.queued_at = time.monotonic()
+        # Monotonic time taken before the job was queued: a worker may start it before XADD returns here, and
+        # the request's duration must cover the worker's (Triton's statistics: success >= compute_infer).
+        self.queued_at = queued_at
         self._expires_at = job.local_deadline()
         self.finish: Finish | None = None  # the last event's, once it came
         self.failure: str | None = None  # the error type that ended the request, if one did
@@ -281,7 +257,7 @@ async def _queue(ctx: ServerContext, request: GenerationRequest) -> Submission:
     if ctx.relay.in_flight >= settings.max_link_num:
         raise PipelineError(f"too many concurrent requests on this server (maxLinkNum {settings.max_link_num})",
                             "overloaded")
-    now = time.time()
+    now, queued_at = time.time(), time.monotonic()
     # The job's id is unique to this submission (the client's id is unique only while in flight), so a late
     # event or control message of an earlier request with the same client id never applies to this one.
     job_id = f"{request.request_id}.{uuid.uuid4().hex[:12]}"
@@ -316,7 +292,7 @@ async def _queue(ctx: ServerContext, request: GenerationRequest) -> Submission:
         if isinstance(exc, RedisError):
             raise PipelineError(f"the job queue is unreachable: {exc}", "unavailable") from None
         raise
-    return Submission(ctx, job, queue, request.request_id)
+    return Submission(ctx, job, queue, request.request_id, queued_at)
 
 
 async def generate(ctx: ServerContext, request: GenerationRequest, client: Request | None = None) -> GenerationResult:
@@ -325,12 +301,11 @@ async def generate(ctx: ServerContext, request: GenerationRequest, client: Reque
     When the HTTP ``client`` leaves first, collecting stops at once and :meth:`Submission.close` tells the
     worker to drop the request.
     """
-    queued_at = time.monotonic()
     submission = await submit(ctx, request)
     try:
         if client is None:
-            return await _collect(submission, queued_at)
-        collecting = asyncio.ensure_future(_collect(submission, queued_at))
+            return await _collect(submission)
+        collecting = asyncio.ensure_future(_collect(submission))
         watching = asyncio.ensure_future(_until_gone(client))
         try:
             done, _ = await asyncio.wait((collecting, watching), return_when=asyncio.FIRST_COMPLETED)
@@ -352,10 +327,10 @@ async def _until_gone(client: Request) -> None:
         pass
 
 
-async def _collect(submission: Submission, queued_at: float) -> GenerationResult:
+async def _collect(submission: Submission) -> GenerationResult:
     tokens: list[TokenInfo] = []
     async for event in submission.events():
         tokens.append(event.token)
         if event.finish is not None:
-            return GenerationResult(tokens=tokens, finish=event.finish, duration=time.monotonic() - queued_at)
+            return GenerationResult(tokens=tokens, finish=event.finish, duration=submission.elapsed)
     raise PipelineError("the token stream ended without a final event", "incomplete_generation")

@@ -1,7 +1,7 @@
 """TGI 0.9.4 compatible routes: ``POST /``, ``/generate``, ``/generate_stream``, ``/info``, ``/health``.
 
-A thin translation: validate the TGI body, build a :class:`GenerationRequest`, run it through
-:mod:`api.pipeline`, shape the tokens as TGI does.
+A thin translation: the TGI body as an :class:`api.inference.InferenceRequest`, its tokens shaped as TGI
+does; :mod:`api.inference` does the rest.
 """
 
 from __future__ import annotations
@@ -16,20 +16,15 @@ from sse_starlette import EventSourceResponse
 
 from api import __version__
 from api.context import ServerContext, get_ctx
-from api.errors import VALIDATION_PREFIX, ProtocolError, error_route_class, pipeline_error
+from api.errors import ProtocolError, error_route_class
 from api.health import HealthResponse, health_response, model_states
+from api.inference import InferenceRequest, Protocol, generate, resolve, submit
 from api.pipeline import (
     MAX_STOP_ITEMS,
     REQUEST_ID_PATTERN,
     GenerationRequest,
     GenerationResult,
     PipelineError,
-    effective_max_new_tokens,
-    generate,
-    new_request_id,
-    random_seed,
-    submit,
-    tokenize,
     unready_reason,
 )
 from api.sse import event_stream
@@ -45,7 +40,7 @@ from api.tgi_schemas import (
     TGIStreamToken,
     TGIToken,
 )
-from common.protocol import SamplingParams, TokenEvent
+from common.protocol import TokenEvent
 
 StreamIdFormat = Literal["list", "int"]
 
@@ -64,49 +59,47 @@ ERROR_RESPONSES = {
 }
 
 
-def _invalid(message: str) -> ProtocolError:
-    return ProtocolError(422, VALIDATION_PREFIX + message, "validation")
+# TGI's statuses for each pipeline failure (429, never 503: huggingface_hub retries a 503 forever).
+TGI = Protocol(
+    statuses={
+        "validation": 422,
+        "generation": 424,
+        "unavailable": 424,
+        "overloaded": 429,
+        "incomplete_generation": 500,
+        "client_disconnected": 499,
+    },
+    too_long="`{field}` must have less than {limit} tokens. Given: {count}",  # TGI's wording
+)
 
 
-def _request_id(header: str | None) -> str:
-    """The client's ``x-request-id`` when well formed (it names the request for cancel/logs), else a new one."""
-    if header is None:
-        return new_request_id()
-    if not REQUEST_ID_PATTERN.match(header):
-        raise _invalid("`x-request-id` must be 1 to 256 characters of letters, digits, '_' or '-'")
+def _request_id(header: str | None) -> str | None:
+    """The client's ``x-request-id`` when well formed (it names the request for cancel/logs); None: a new one."""
+    if header is not None and not REQUEST_ID_PATTERN.match(header):
+        raise TGI.invalid("`x-request-id` must be 1 to 256 characters of letters, digits, '_' or '-'")
     return header
 
 
 async def to_generation_request(
-    ctx: ServerContext, body: TGIRequest, request_id: str, stream: bool
+    ctx: ServerContext, body: TGIRequest, request_id: str | None, stream: bool
 ) -> GenerationRequest:
-    """Apply the rules that need the tokenizer and the server limits, and resolve every default."""
+    """The TGI body as a pipeline request (:func:`api.inference.resolve`)."""
     params = body.parameters
     if stream and params.decoder_input_details:
-        raise _invalid("`decoder_input_details` == true is not supported when streaming tokens")
+        raise TGI.invalid("`decoder_input_details` == true is not supported when streaming tokens",
+                          "decoder_input_details")
     assert isinstance(body.inputs, str)  # the schema rejects list inputs for this text-only model
-    input_ids = await tokenize(ctx, body.inputs)
-    if params.truncate is not None:
-        input_ids = input_ids[-params.truncate :]
-    if len(input_ids) > ctx.max_input_tokens:
-        raise _invalid(f"`inputs` must have less than {ctx.max_input_tokens} tokens. Given: {len(input_ids)}")
-    sampling = SamplingParams(
-        do_sample=params.sampling,
-        temperature=params.temperature if params.temperature is not None else 1.0,
-        top_k=min(params.top_k if params.top_k is not None else ctx.model.default_top_k, ctx.model.vocab_size),
-        top_p=params.top_p if params.top_p is not None else 1.0,
-        typical_p=params.typical_p if params.typical_p is not None else 1.0,
-        repetition_penalty=params.repetition_penalty if params.repetition_penalty is not None else 1.0,
-        seed=params.seed if params.seed is not None else random_seed(),
-        max_new_tokens=effective_max_new_tokens(ctx, params.max_new_tokens),
-        stop=params.stop or [],
-    )
-    return GenerationRequest(
+    request = InferenceRequest.with_sampling(
+        params,
         request_id=request_id,
-        input_ids=input_ids,
-        params=sampling,
+        prompt_field="inputs",
+        text=body.inputs,
+        truncate=params.truncate,
+        do_sample=params.sampling,
+        stop=params.stop or [],
         decoder_input_details=bool(params.decoder_input_details),
     )
+    return await resolve(ctx, TGI, request)
 
 
 def _full_text(body: TGIRequest, generated: str) -> str:
@@ -128,23 +121,14 @@ def _generate_response(body: TGIRequest, result: GenerationResult) -> TGIGenerat
     return TGIGenerateResponse(generated_text=_full_text(body, result.finish.generated_text), details=details)
 
 
-# TGI's statuses for each pipeline failure (429, never 503: huggingface_hub retries a 503 forever).
-PIPELINE_STATUS = {
-    "validation": 422,
-    "generation": 424,
-    "unavailable": 424,
-    "overloaded": 429,
-    "incomplete_generation": 500,
-    "client_disconnected": 499,
-}
-
-
-async def _run(ctx: ServerContext, body: TGIRequest, request_id: str, http: Request) -> GenerationResult:
+async def _respond(
+    ctx: ServerContext, body: TGIRequest, request_id: str | None, http: Request, listed: bool
+) -> Response:
+    """The whole generation with TGI's headers: one response, or (``POST /``) a list of one."""
     request = await to_generation_request(ctx, body, request_id, stream=False)
-    try:
-        return await generate(ctx, request, http)
-    except PipelineError as exc:
-        raise pipeline_error(exc, PIPELINE_STATUS) from None
+    result = await generate(ctx, TGI, request, http)
+    payload = _dump(_generate_response(body, result))
+    return JSONResponse([payload] if listed else payload, headers=_headers(request.request_id, result))
 
 
 def _headers(request_id: str, result: GenerationResult) -> dict[str, str]:
@@ -199,14 +183,11 @@ def _stream_event(
 
 
 async def _stream(
-    ctx: ServerContext, body: TGIRequest, request_id: str, id_format: StreamIdFormat
+    ctx: ServerContext, body: TGIRequest, request_id: str | None, id_format: StreamIdFormat
 ) -> EventSourceResponse:
     """Validate and queue first (errors answer with a status), then stream TGI events."""
     request = await to_generation_request(ctx, body, request_id, stream=True)
-    try:
-        submission = await submit(ctx, request)
-    except PipelineError as exc:
-        raise pipeline_error(exc, PIPELINE_STATUS) from None
+    submission = await submit(ctx, TGI, request)
 
     async def render(events: AsyncIterator[TokenEvent]) -> AsyncIterator[str]:
         text_so_far = ""
@@ -214,7 +195,7 @@ async def _stream(
             text_so_far += event.token.text
             yield _stream_event(ctx, body, event, text_so_far, id_format).model_dump_json()
 
-    return event_stream(submission, render, _error_event, headers={"x-request-id": request_id})
+    return event_stream(submission, render, _error_event, headers={"x-request-id": request.request_id})
 
 
 Ctx = Annotated[ServerContext, Depends(get_ctx)]
@@ -233,17 +214,14 @@ async def compat_generate(
     request_id = _request_id(x_request_id)
     if body.stream:
         return await _stream(ctx, body, request_id, ctx.settings.tgi_stream_format)
-    result = await _run(ctx, body, request_id, http)
-    return JSONResponse([_dump(_generate_response(body, result))], headers=_headers(request_id, result))
+    return await _respond(ctx, body, request_id, http, listed=True)
 
 
 @router.post("/generate", responses={**ERROR_RESPONSES, 200: {"model": TGIGenerateResponse}})
 async def generate_route(
     body: TGIRequest, ctx: Ctx, http: Request, x_request_id: RequestIdHeader = None
 ) -> Response:
-    request_id = _request_id(x_request_id)
-    result = await _run(ctx, body, request_id, http)
-    return JSONResponse(_dump(_generate_response(body, result)), headers=_headers(request_id, result))
+    return await _respond(ctx, body, _request_id(x_request_id), http, listed=False)
 
 
 @router.post(

@@ -1,7 +1,7 @@
 """Request and response shapes of the TGI 0.9.4 compatible routes, with SPEC.md section 1's rules.
 
 Field rules live on the models (one rule per field, messages worded like TGI's ``validation.rs``);
-rules that need the tokenizer or server limits live in :func:`api.tgi.to_generation_request`.
+rules that need the tokenizer or server limits live in :mod:`api.inference`.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -69,15 +70,24 @@ def default_model_dir() -> Path:
     return Path(os.environ.get("FERRY_HOME", Path.home() / ".cache" / "ferry")) / "tiny-llama"
 
 
-class _GenerationBlock(jinja2.ext.Extension):
-    """transformers' ``{% generation %}...{% endgeneration %}`` block (it marks the assistant's text), so that
-    templates using it parse here as they do in transformers."""
+class GenerationBlock(jinja2.ext.Extension):
+    """transformers' ``{% generation %}...{% endgeneration %}`` block (it marks the assistant's text for training
+    masks), so that templates using it parse and render here as they do in transformers: like its
+    ``AssistantTracker``, the body is a call block (a ``set`` inside stays inside) that renders in place."""
 
     tags = {"generation"}
 
-    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
-        next(parser.stream)
-        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.CallBlock:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Callable[[], str]) -> str:
+        return caller()
+
+
+# The Jinja extensions of transformers' chat-template environment (transformers/utils/chat_template_utils.py).
+CHAT_TEMPLATE_EXTENSIONS: tuple[str | type[jinja2.ext.Extension], ...] = ("jinja2.ext.loopcontrols", GenerationBlock)
 
 
 def load_chat_template(value: str) -> str:
@@ -92,7 +102,7 @@ def load_chat_template(value: str) -> str:
             raise ValueError(f"cannot read the chat template file {value}: {reason}") from None
         text = value
     try:
-        jinja2.Environment(extensions=["jinja2.ext.loopcontrols", _GenerationBlock]).parse(text)
+        jinja2.Environment(extensions=CHAT_TEMPLATE_EXTENSIONS).parse(text)
     except jinja2.TemplateSyntaxError as exc:
         raise ValueError(f"the chat template is not valid Jinja: {exc.message} (line {exc.lineno})") from None
     return text

@@ -6,10 +6,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-import api.kserve
-import api.openai
 import api.pipeline
-import api.tgi
 from api.context import ServerContext
 from api.pipeline import GenerationRequest, PipelineError
 from common.protocol import TokenEvent
@@ -26,6 +23,7 @@ class FakeSubmission:
         self._error = error
         self._taken = 0
         self.closed = False
+        self.elapsed = 0.0  # seconds since queueing: none pass here
 
     @property
     def ready(self) -> bool:
@@ -44,7 +42,6 @@ class FakeSubmission:
 
 
 def patch_submit(monkeypatch: pytest.MonkeyPatch, submit: SubmitFn) -> None:
-    """Route every adapter's queueing (``generate`` and streams alike) through ``submit``."""
-    for module in (api.pipeline, api.tgi, api.kserve, api.openai):
-        if hasattr(module, "submit"):
-            monkeypatch.setattr(module, "submit", submit)
+    """Route every adapter's queueing (``generate`` and streams alike: both reach :func:`api.pipeline.submit`
+    through :mod:`api.inference`) through ``submit``."""
+    monkeypatch.setattr(api.pipeline, "submit", submit)

@@ -20,6 +20,7 @@ import fakeredis
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from transformers import AutoTokenizer
 from tritonclient.http import InferResult
 
 from api.app import create_app
@@ -648,7 +649,7 @@ def test_generate_top_k_below_the_vocabulary(client: TestClient, vocab_size: int
 
 async def test_generate_acceptance(ctx: ServerContext, tiny_model_path: Path) -> None:
     request = await resolve_generate(ctx, {"text_input": "def main(", "parameters": {"stop": "\n", "max_tokens": 5}})
-    assert request.input_ids == ctx.model.tokenizer("def main(")["input_ids"]
+    assert request.input_ids == AutoTokenizer.from_pretrained(tiny_model_path)("def main(")["input_ids"]
     assert request.params.stop == ["\n"] and request.params.max_new_tokens == 5
     assert request.params.do_sample is False and request.params.max_new_tokens == 5
     request = await resolve_generate(ctx, {"text_input": "x", "max_new_tokens": MAX_ITER_TIMES, "stop": [],

@@ -19,6 +19,7 @@ from typing import Any
 import fakeredis
 import pytest
 from fastapi.testclient import TestClient
+from transformers import AutoTokenizer
 
 import api.main
 from api.app import create_app
@@ -399,7 +400,7 @@ def test_chat_template_option_renders_the_messages(
     assert settings.chat_template == OTHER_TEMPLATE
     with TestClient(create_app(settings, redis=fakeredis.FakeAsyncRedis())) as served:
         assert post(served, CHAT, chat_body()).status_code == 200
-        tokenizer = served.app.state.ctx.model.tokenizer
+        tokenizer = AutoTokenizer.from_pretrained(served.app.state.ctx.model.path)
     expected = "[system] Be brief.\n[user] Hello\n[assistant] "
     assert stand_in_worker[0].input_ids == tokenizer(expected, add_special_tokens=False)["input_ids"]
 
@@ -474,9 +475,7 @@ def test_with_several_models_the_named_one_answers(
     """Each request goes to the model it names: only ``chatty`` has a chat template."""
     response = post(two_models_client, CHAT, chat_body(model="chatty"))
     assert response.status_code == 200 and response.json()["model"] == "chatty"
-    tokenizer = two_models_client.app.state.ctx.models["chatty"].tokenizer
-    rendered = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
-    assert stand_in_worker[0].input_ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert stand_in_worker[0].input_ids == rendered_ids(two_models_client.app.state.ctx.models["chatty"], MESSAGES)
     assert_openai_error(post(two_models_client, CHAT, chat_body()), 400, f"the model `{MODEL}` has no chat template",
                         "messages")
     assert post(two_models_client, COMPLETIONS, completion_body(model="chatty")).json()["model"] == "chatty"
@@ -509,7 +508,7 @@ async def test_completion_defaults(ctx: ServerContext) -> None:
     top_k, as on the TGI routes."""
     request = await resolve_completion(ctx)
     assert request.request_id == "cmpl-1"
-    assert request.input_ids == ctx.model.tokenizer(PROMPT)["input_ids"]
+    assert request.input_ids == AutoTokenizer.from_pretrained(ctx.model.path)(PROMPT)["input_ids"]
     params = request.params
     assert (params.do_sample, params.temperature, params.top_p, params.max_new_tokens) == (True, 1.0, 1.0, 16)
     assert params.top_k == min(ctx.model.default_top_k, ctx.model.vocab_size)
@@ -565,7 +564,7 @@ async def test_completion_parameters(ctx: ServerContext, fields: dict[str, Any],
 
 @pytest.mark.parametrize("prompt", [PROMPT, [PROMPT]])
 async def test_text_prompt_forms(ctx: ServerContext, prompt: Any) -> None:
-    assert (await resolve_completion(ctx, prompt=prompt)).input_ids == ctx.model.tokenizer(PROMPT)["input_ids"]
+    assert (await resolve_completion(ctx, prompt=prompt)).input_ids == AutoTokenizer.from_pretrained(ctx.model.path)(PROMPT)["input_ids"]
 
 
 @pytest.mark.parametrize("prompt", [[1, 396, 0], [[1, 396, 0]]])
@@ -606,16 +605,18 @@ async def test_null_means_unset(ctx: ServerContext, chat_ctx: ServerContext) -> 
     assert chat.params.max_new_tokens == MAX_ITER_TIMES
 
 
-def rendered_ids(ctx: ServerContext, messages: list[dict[str, str]]) -> list[int]:
-    text = ctx.model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return ctx.model.tokenizer(text, add_special_tokens=False)["input_ids"]
+def rendered_ids(model: ModelInfo, messages: list[dict[str, str]]) -> list[int]:
+    """The ids transformers gives the rendered messages (the pod renders and tokenizes without it)."""
+    tokenizer = AutoTokenizer.from_pretrained(model.path)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 async def test_chat_messages_are_rendered_with_the_template(chat_ctx: ServerContext) -> None:
     """The template's text, tokenized without adding special tokens: its own BOS is the only one."""
     request = await resolve_chat(chat_ctx)
     assert request.request_id == "chatcmpl-1"
-    assert request.input_ids == rendered_ids(chat_ctx, MESSAGES)
+    assert request.input_ids == rendered_ids(chat_ctx.model, MESSAGES)
     bos = chat_ctx.model.tokenizer.bos_token_id
     assert request.input_ids[0] == bos and request.input_ids.count(bos) == 1
     prompt = chat_ctx.model.tokenizer.decode(request.input_ids, skip_special_tokens=True)
@@ -637,7 +638,7 @@ async def test_chat_message_forms(chat_ctx: ServerContext) -> None:
                                  parallel_tool_calls=False)
     expected = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello\nthere", "name": "ann"},
                 {"role": "assistant", "content": "Hi!"}, {"role": "user", "content": ""}]
-    assert request.input_ids == rendered_ids(chat_ctx, expected)
+    assert request.input_ids == rendered_ids(chat_ctx.model, expected)
 
 
 @pytest.mark.parametrize(("fields", "resolved"), [

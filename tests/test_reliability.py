@@ -299,7 +299,7 @@ async def test_replayed_events_are_delivered_once(tiny_model_path: Path) -> None
         token = TokenInfo(id=index, text="abc"[index], logprob=-1.0, special=False)
         event = TokenEvent(index=index, token=token, finish=finish if index == 2 else None)
         queue.put_nowait(event.model_dump_json().encode())
-    events = [event async for event in Submission(ctx, job, queue).events()]
+    events = [event async for event in Submission(ctx, job, queue, "r", time.monotonic()).events()]
     assert [e.index for e in events] == [0, 1, 2] and events[-1].finish == finish
 
 
@@ -317,7 +317,7 @@ async def test_events_that_arrive_after_the_deadline_are_not_relayed(tiny_model_
                          .model_dump_json().encode())
     relayed = []
     with pytest.raises(PipelineError) as caught:
-        async for event in Submission(ctx, job, queue).events():
+        async for event in Submission(ctx, job, queue, "r", time.monotonic()).events():
             relayed.append(event)
     assert caught.value.error_type == "incomplete_generation" and "e2eTimeout" in caught.value.message
     assert relayed == []
@@ -331,7 +331,7 @@ async def test_a_wall_clock_step_does_not_expire_a_submission(tiny_model_path: P
     job = Job(request_id="r", model="m", reply_channel="c", input_ids=[1], enqueued_at=time.time(),
               params=SamplingParams(seed=1, max_new_tokens=1), deadline=time.time() + 30)
     queue: asyncio.Queue[bytes] = asyncio.Queue()
-    submission = Submission(ctx, job, queue)
+    submission = Submission(ctx, job, queue, "r", time.monotonic())
     wall = time.time
     monkeypatch.setattr(time, "time", lambda: wall() + 60)
     finish = Finish(finish_reason="length", generated_tokens=1, prompt_tokens=1, seed=1, generated_text="a")

@@ -1,0 +1,238 @@
+"""The one protocol-neutral request every adapter builds, and its resolution into a job.
+
+Adapters (:mod:`api.tgi`, :mod:`api.kserve`, :mod:`api.openai`) only translate: their body becomes an
+:class:`InferenceRequest` (the prompt as text, token ids or chat messages; each sampling field as the client
+sent it, None where unset; protocol flags), and the pipeline's results become their responses. Everything
+between lives here, once: tokenising, chat templates, truncation, the length and vocabulary limits, defaults,
+seeds, request ids, the maxIterTimes cap, and turning a pipeline failure into the protocol's status through
+its :class:`Protocol` (the table each adapter declares beside its error format).
+"""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import partial
+from types import MappingProxyType
+from typing import Any
+
+import anyio
+from jinja2 import TemplateError
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from starlette.requests import Request
+
+from api import pipeline
+from api.context import ServerContext
+from api.errors import VALIDATION_PREFIX, ProtocolError
+from api.pipeline import GenerationRequest, GenerationResult, PipelineError, Submission
+from common.protocol import SamplingParams
+
+INLINE_TOKENIZE_CHARS = 256  # the tiny model's fast tokenizer: ~140 µs for 200 chars, 1.3 ms for 2048
+DEFAULT_MAX_NEW_TOKENS = 20  # SPEC.md, TGI and KServe routes
+# The sampling fields a protocol may carry under the same name and meaning (InferenceRequest.with_sampling).
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "seed", "max_new_tokens")
+
+
+# The statuses KServe v2 and OpenAI both give each pipeline failure: 400 a bad request, 500 a failed generation,
+# 503 retry later, 499 (nginx's) a client that left. TGI's differ (api/tgi.py).
+REST_STATUSES: Mapping[str, int] = MappingProxyType({
+    "validation": 400,
+    "generation": 500,
+    "incomplete_generation": 500,
+    "overloaded": 503,
+    "unavailable": 503,
+    "client_disconnected": 499,
+})
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """What differs between protocols once a body is translated: the status of each pipeline failure
+    (``validation`` included) and the few rules their specs set differently."""
+
+    statuses: Mapping[str, int]
+    # A prompt over the token limit: the message ({field}, {limit}, {count}) and its machine-readable code.
+    too_long: str = "`{field}` must have at most {limit} tokens. Given: {count}"
+    too_long_code: str = "validation"
+    # KServe (SPEC.md section 2): top_k >= the vocabulary and max_new_tokens > maxIterTimes are errors;
+    # elsewhere top_k is clamped to the vocabulary and max_new_tokens capped at maxIterTimes.
+    strict_limits: bool = False
+    # An unset top_k: the model's default (generation_config.json, then config.json), or off.
+    model_default_top_k: bool = True
+
+    def invalid(self, message: str, field: str | None = None, code: str = "validation") -> ProtocolError:
+        """A request this protocol refuses, with its validation status and the field at fault."""
+        return ProtocolError(self.statuses["validation"], VALIDATION_PREFIX + message, code, field)
+
+    def failure(self, exc: PipelineError) -> ProtocolError:
+        """A pipeline failure with this protocol's status for its type (500 when it has none), and the
+        validation prefix on a validation failure (a request id already in flight)."""
+        message = VALIDATION_PREFIX + exc.message if exc.error_type == "validation" else exc.message
+        return ProtocolError(self.statuses.get(exc.error_type, 500), message, exc.error_type)
+
+
+class InferenceRequest(BaseModel):
+    """One request as every adapter translates it. Exactly one of ``text``, ``token_ids`` and ``messages``
+    is the prompt; ``prompt_field`` names it in errors. Sampling fields are as sent (None: unset), already
+    in the pipeline's meaning (e.g. top_k 0 is off)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    request_id: str | None = Field(None, description="the client's id; None: a new one")
+    prompt_field: str
+    text: str | None = None
+    token_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = Field(None, description="chat messages, rendered with the chat template")
+    truncate: int | None = Field(None, description="keep only the prompt's last tokens")
+    do_sample: bool = False
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    typical_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    max_new_tokens: int | None = None
+    default_max_new_tokens: int | None = Field(DEFAULT_MAX_NEW_TOKENS, description="when unset; None: maxIterTimes")
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    decoder_input_details: bool = False
+
+    @classmethod
+    def with_sampling(cls, params: BaseModel, **fields: Any) -> "InferenceRequest":
+        """A request taking the sampling fields ``params`` has under this model's names (TGI's and KServe's
+        parameters do), plus ``fields``."""
+        sent = {name: getattr(params, name) for name in SAMPLING_FIELDS if hasattr(params, name)}
+        return cls(**sent, **fields)
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> "InferenceRequest":
+        if sum(p is not None for p in (self.text, self.token_ids, self.messages)) != 1:
+            raise ValueError("a request has exactly one prompt: text, token ids or messages")
+        return self
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def random_seed() -> int:
+    """A server-chosen seed in the spec's range (0, 2^64-1], sent with the job so a retry reproduces it."""
+    return secrets.randbelow(2**64 - 1) + 1
+
+
+async def tokenize(ctx: ServerContext, text: str, add_special_tokens: bool = True) -> list[int]:
+    """The text's token ids. A long text is tokenized off the event loop (it takes a while); a short one on
+    it, since handing it to a thread costs more than the tokenizing. Text rendered by a chat template already
+    holds the special tokens it needs (BOS too): it takes ``add_special_tokens=False``."""
+    encode = partial(ctx.model.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+    if len(text) <= INLINE_TOKENIZE_CHARS:
+        return encode()
+    return await anyio.to_thread.run_sync(encode)
+
+
+async def _render_chat(ctx: ServerContext, protocol: Protocol, request: InferenceRequest) -> str:
+    """The messages rendered with the model's chat template, ending with the assistant's turn."""
+    tokenizer, field = ctx.model.tokenizer, request.prompt_field
+    if tokenizer.chat_template is None:
+        raise protocol.invalid(f"the model `{ctx.model.model_id}` has no chat template, so it cannot take "
+                               f"`{field}`: use /v1/completions with a `prompt`", field)
+    render = partial(tokenizer.render_chat, request.messages)
+    try:
+        return await anyio.to_thread.run_sync(render)
+    except TemplateError as exc:
+        raise protocol.invalid(f"the model's chat template rejected the `{field}`: {exc}", field) from None
+
+
+async def resolve(ctx: ServerContext, protocol: Protocol, request: InferenceRequest) -> GenerationRequest:
+    """The request as the pipeline takes it: the prompt tokenized (text) or rendered and tokenized without
+    adding special tokens (messages: the template placed BOS if the model wants one, as transformers and vLLM
+    do), then :func:`resolve_ids`."""
+    if request.token_ids is not None:
+        return resolve_ids(ctx, protocol, request)
+    if request.messages is not None:
+        ids = await tokenize(ctx, await _render_chat(ctx, protocol, request), add_special_tokens=False)
+    else:
+        assert request.text is not None  # the model validator: exactly one prompt
+        ids = await tokenize(ctx, request.text)
+    return resolve_ids(ctx, protocol, request, ids)
+
+
+def resolve_ids(
+    ctx: ServerContext, protocol: Protocol, request: InferenceRequest, ids: list[int] | None = None
+) -> GenerationRequest:
+    """Check the prompt's ids (``ids``, else the request's own) against the model and the server limits,
+    and resolve every default."""
+    ids = request.token_ids if ids is None else ids
+    assert ids is not None  # a text or chat prompt comes here through resolve, tokenized
+    field, vocab_size = request.prompt_field, ctx.model.vocab_size
+    if request.truncate is not None:
+        ids = ids[-request.truncate:]
+    limit = ctx.max_input_tokens
+    if len(ids) > limit:
+        message = protocol.too_long.format(field=field, limit=limit, count=len(ids))
+        raise protocol.invalid(message, field, protocol.too_long_code)
+    if request.token_ids is not None:
+        _check_vocabulary(protocol, f"`{field}` token ids", field, ids, vocab_size)
+    _check_vocabulary(protocol, "`stop_token_ids`", "stop_token_ids", request.stop_token_ids, vocab_size)
+    return GenerationRequest(
+        request_id=request.request_id or new_request_id(),
+        input_ids=ids,
+        params=_sampling(ctx, protocol, request),
+        decoder_input_details=request.decoder_input_details,
+    )
+
+
+def _check_vocabulary(protocol: Protocol, what: str, field: str, ids: list[int], vocab_size: int) -> None:
+    bad = next((i for i in ids if i >= vocab_size), None)
+    if bad is not None:
+        raise protocol.invalid(f"{what} must be < the vocabulary size {vocab_size}. Given: {bad}", field)
+
+
+def _sampling(ctx: ServerContext, protocol: Protocol, request: InferenceRequest) -> SamplingParams:
+    """The sampling fields with every default resolved and the model's and server's limits applied."""
+    vocab_size, limit = ctx.model.vocab_size, ctx.settings.max_iter_times
+    top_k, max_new_tokens = request.top_k, request.max_new_tokens
+    if protocol.strict_limits:
+        if top_k is not None and top_k >= vocab_size:
+            raise protocol.invalid(f"`top_k` must be < the vocabulary size {vocab_size}. Given: {top_k}", "top_k")
+        if max_new_tokens is not None and max_new_tokens > limit:
+            raise protocol.invalid(
+                f"`max_new_tokens` must be <= {limit} (maxIterTimes). Given: {max_new_tokens}", "max_new_tokens"
+            )
+    if top_k is None:
+        top_k = ctx.model.default_top_k if protocol.model_default_top_k else 0
+    if max_new_tokens is None:
+        max_new_tokens = request.default_max_new_tokens or limit
+    return SamplingParams(
+        do_sample=request.do_sample,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_k=min(top_k, vocab_size),
+        top_p=1.0 if request.top_p is None else request.top_p,
+        typical_p=1.0 if request.typical_p is None else request.typical_p,
+        repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+        seed=random_seed() if request.seed is None else request.seed,
+        max_new_tokens=min(limit, max_new_tokens),  # SPEC.md: min(maxIterTimes, max_new_tokens)
+        stop=request.stop,
+        stop_token_ids=request.stop_token_ids,
+        ignore_eos=request.ignore_eos,
+    )
+
+
+async def generate(ctx: ServerContext, protocol: Protocol, request: GenerationRequest, client: Request) -> GenerationResult:
+    """Run the request to completion (:func:`api.pipeline.generate`); a failure as the protocol's error."""
+    try:
+        return await pipeline.generate(ctx, request, client)
+    except PipelineError as exc:
+        raise protocol.failure(exc) from None
+
+
+async def submit(ctx: ServerContext, protocol: Protocol, request: GenerationRequest) -> Submission:
+    """Queue the request for a stream (:func:`api.pipeline.submit`); a refusal as the protocol's error, so it
+    answers with a status before the stream starts."""
+    try:
+        return await pipeline.submit(ctx, request)
+    except PipelineError as exc:
+        raise protocol.failure(exc) from None
