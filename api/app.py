@@ -10,8 +10,11 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any
 
 from fastapi import FastAPI, Request, Response
+from fastapi.openapi.utils import get_openapi
 from redis.asyncio import BlockingConnectionPool, Redis
 from starlette.exceptions import HTTPException
 
@@ -61,6 +64,24 @@ async def http_error(request: Request, exc: HTTPException) -> Response:
     return response
 
 
+def openapi_document(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document less the 422 ``HTTPValidationError`` answer it adds to every route that takes
+    parameters: no route sends that body, each answers a bad request in its protocol's own format and status
+    (TGI 422, KServe and OpenAI 400), which its router declares."""
+    if app.openapi_schema is None:
+        document = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+        fastapi_error = {"$ref": "#/components/schemas/HTTPValidationError"}
+        for operations in document["paths"].values():
+            for operation in operations.values():
+                answer = operation["responses"].get("422", {})
+                if answer.get("content", {}).get("application/json", {}).get("schema") == fastapi_error:
+                    del operation["responses"]["422"]
+        for name in ("HTTPValidationError", "ValidationError"):
+            document["components"]["schemas"].pop(name, None)
+        app.openapi_schema = document
+    return app.openapi_schema
+
+
 def create_app(settings: Settings, redis: Redis | None = None) -> FastAPI:
     """Build the app. ``redis`` may be injected (tests); by default it is made from ``settings.redis_url``."""
 
@@ -96,4 +117,5 @@ def create_app(settings: Settings, redis: Redis | None = None) -> FastAPI:
     app.include_router(kserve.control_router)
     app.include_router(openai.router)
     app.include_router(ops.router)
+    app.openapi = partial(openapi_document, app)  # type: ignore[method-assign]  # FastAPI's documented hook
     return app

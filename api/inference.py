@@ -221,7 +221,9 @@ def _sampling(ctx: ServerContext, protocol: Protocol, request: InferenceRequest)
     )
 
 
-async def generate(ctx: ServerContext, protocol: Protocol, request: GenerationRequest, client: Request) -> GenerationResult:
+async def generate(
+    ctx: ServerContext, protocol: Protocol, request: GenerationRequest, client: Request
+) -> GenerationResult:
     """Run the request to completion (:func:`api.pipeline.generate`); a failure as the protocol's error."""
     try:
         return await pipeline.generate(ctx, request, client)

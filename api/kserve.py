@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client.metrics import MetricWrapperBase
 from pydantic import ValidationError
 from redis.exceptions import RedisError
+from sse_starlette import EventSourceResponse
 
 from api import __version__
 from api.context import ServerContext, get_ctx
@@ -90,6 +91,7 @@ ERROR_RESPONSES = {
     500: {"model": KServeErrorResponse, "description": "Generation failed or timed out"},
     503: {"model": KServeErrorResponse, "description": "Overloaded (queue full) or Redis unreachable"},
 }
+READY = {200: {"description": "Ready (empty body)"}}
 NOT_READY = {503: {"model": KServeErrorResponse, "description": "No live worker serves the model"}}
 
 
@@ -226,6 +228,7 @@ async def generate_route(body: KServeGenerateRequest, ctx: Ctx, http: Request) -
 @router.post(
     "/models/{model}/generate_stream",
     dependencies=KnownModel,
+    response_class=EventSourceResponse,
     responses={**ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}},
                                         "description": "KServeGenerateResponse events, text_output the delta"}},
 )
@@ -262,7 +265,7 @@ async def versioned(model: str, version: str) -> Response:
     )
 
 
-@router.get("/health/live")
+@router.get("/health/live", response_class=Response, responses={200: {"description": "Live (empty body)"}})
 async def live() -> Response:
     """200 while the process serves HTTP."""
     return Response(status_code=200)
@@ -275,13 +278,18 @@ async def _require_ready(ctx: ServerContext) -> Response:
     return Response(status_code=200)
 
 
-@router.get("/health/ready", responses=NOT_READY)
+@router.get("/health/ready", response_class=Response, responses={**READY, **NOT_READY})
 async def ready(ctx: Ctx) -> Response:
     """200 only while a worker of the model is alive (heartbeats in Redis), else 503."""
     return await _require_ready(ctx)
 
 
-@router.get("/models/{model}/ready", dependencies=KnownModel, responses={**NOT_READY, 404: ERROR_RESPONSES[404]})
+@router.get(
+    "/models/{model}/ready",
+    dependencies=KnownModel,
+    response_class=Response,
+    responses={**READY, **NOT_READY, 404: ERROR_RESPONSES[404]},
+)
 async def model_ready(ctx: Ctx) -> Response:
     """The served model is ready exactly when the server is: it is the only one."""
     return await _require_ready(ctx)
@@ -352,7 +360,7 @@ async def model_config(ctx: Ctx) -> KServeModelConfig:
     )
 
 
-@router.post("/repository/index", response_model=list[RepositoryModel])
+@router.post("/repository/index", response_model=list[RepositoryModel], responses={400: ERROR_RESPONSES[400]})
 async def repository_index(ctx: Ctx, body: RepositoryIndexRequest | None = None) -> list[RepositoryModel]:
     """Triton's model repository extension: every served model, READY while a worker of it is alive, else
     UNAVAILABLE with the reason; ``{"ready": true}`` lists the ready ones only."""

@@ -17,8 +17,16 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from api.pipeline import MAX_INPUT_CHARS, REQUEST_ID_PATTERN, check_text, validate_stop
-from api.ranges import in_range
+from api.pipeline import (
+    MAX_INPUT_CHARS,
+    MAX_STOP_CHARS,
+    MAX_STOP_ITEMS,
+    REQUEST_ID_PATTERN,
+    REQUEST_ID_REGEX,
+    check_text,
+    validate_stop,
+)
+from api.ranges import in_range, stop_schema, text_schema
 
 INPUT_NAME = "input0"
 OUTPUT_NAME = "output0"
@@ -181,7 +189,7 @@ class KServeRequestedOutput(BaseModel):
 class KServeInferRequest(SamplingParameters):
     """Body of ``POST /v2/models/{model}/infer`` (its JSON part, with the binary tensor extension)."""
 
-    id: str | None = None
+    id: str | None = Field(None, json_schema_extra={"pattern": REQUEST_ID_REGEX})
     inputs: list[KServeInput]
     outputs: list[KServeRequestedOutput] | None = None  # absent, null or []: output0 (KServe v2)
     parameters: Annotated[RequestParameters, NullIsEmpty] = Field(default_factory=RequestParameters)
@@ -237,7 +245,7 @@ class GenerateParameters(SamplingParameters):
     """Parameters of Triton's generate extension: infer's, plus ``stop`` and ``max_tokens``
     (TensorRT-LLM's name for ``max_new_tokens``)."""
 
-    stop: list[str] | str | None = None
+    stop: Annotated[list[str] | str | None, stop_schema(MAX_STOP_ITEMS, MAX_STOP_CHARS)] = None
     max_tokens: Annotated[int | None, in_range("`max_tokens` must be strictly positive. Given: {v}", gt=0)] = None
 
     @field_validator("stop")
@@ -250,7 +258,7 @@ class KServeGenerateRequest(GenerateParameters):
     """Body of ``POST /v2/models/{model}/generate`` and ``/generate_stream``: ``text_input`` and
     parameters, at the top level or in ``parameters`` (Triton puts them there)."""
 
-    text_input: str
+    text_input: Annotated[str, text_schema(MAX_INPUT_CHARS, "the prompt")]
     parameters: Annotated[GenerateParameters, NullIsEmpty] = Field(default_factory=GenerateParameters)
 
     _sampling: GenerateParameters = PrivateAttr()
@@ -399,4 +407,4 @@ class StopInferRequest(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    id: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,256}$", description="the request id (KServe `id`, TGI `x-request-id`)")
+    id: str = Field(pattern=REQUEST_ID_REGEX, description="the request id (KServe `id`, TGI `x-request-id`)")

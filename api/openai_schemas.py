@@ -12,6 +12,7 @@ README lists them).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -21,25 +22,48 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     ValidatorFunctionWrapHandler,
+    WithJsonSchema,
     field_serializer,
     field_validator,
     model_validator,
 )
 
-from api.pipeline import MAX_INPUT_CHARS, MAX_STOP_ITEMS, check_text, validate_stop
-from api.ranges import in_range
+from api.pipeline import MAX_INPUT_CHARS, MAX_STOP_CHARS, MAX_STOP_ITEMS, check_text, validate_stop
+from api.ranges import in_range, stop_schema
 
 OPENAI_MAX_STOP = 4  # OpenAI's cap on stop sequences, stricter than the pipeline's
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
+# The prompt's two forms as /v1/completions takes them (CompletionRequest._prompt enforces both).
+PROMPT_TEXT = {"type": "string", "minLength": 1, "maxLength": MAX_INPUT_CHARS}
+PROMPT_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 TOOL_ROLES = ("tool", "function")
 
 OpenAIFinishReason = Literal["stop", "length"]
+NO_TOOLS = {"maxItems": 0}  # tools and functions: none or []
+NO_TOOL_CHOICE = WithJsonSchema({"enum": ["none", None], "description": "no tool calling: only 'none'"})
+UNSUPPORTED_PENALTY = ("`{field}` is not supported, only 0: this server has no such penalty (its repetition_penalty "
+                       "is a different, multiplicative penalty). Given: {{v}}")
 
 
 def _unsupported(field: str, value: Any, why: str) -> ValueError:
     return ValueError(f"`{field}` {why}. Given: {value!r}")
+
+
+def _required(*fields: str) -> Callable[[dict[str, Any]], None]:
+    """A model's JSON schema hook: ``fields`` are required and not null there, as the request validators
+    enforce (the models keep them optional so that a missing one gets the validator's clear message)."""
+
+    def declare(schema: dict[str, Any]) -> None:
+        schema["required"] = sorted({*schema.get("required", []), *fields})
+        for name in fields:
+            field = schema["properties"][name]
+            if "anyOf" in field:
+                field["anyOf"] = [branch for branch in field["anyOf"] if branch.get("type") != "null"]
+            field.pop("default", None)
+
+    return declare
 
 
 class StreamOptions(BaseModel):
@@ -51,7 +75,11 @@ class StreamOptions(BaseModel):
 class SamplingRequest(BaseModel):
     """The fields ``/v1/completions`` and ``/v1/chat/completions`` share; any other field is rejected."""
 
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, json_schema_extra={
+        # `stream_options` (an object) only with `stream: true` (the _stream_options validator)
+        "if": {"properties": {"stream_options": {"type": "object"}}, "required": ["stream_options"]},
+        "then": {"properties": {"stream": {"const": True}}, "required": ["stream"]},
+    })
 
     model: str = Field(description="with one model served, any name (TGI's rule); with several, one of them")
     max_tokens: Annotated[int | None, in_range("`max_tokens` must be strictly positive. Given: {v}", gt=0)] = None
@@ -59,12 +87,22 @@ class SamplingRequest(BaseModel):
         float | None, in_range("`temperature` must be >= 0 and <= 2 (0 = greedy). Given: {v}", ge=0.0, le=2.0)
     ] = None
     top_p: Annotated[float | None, in_range("`top_p` must be > 0 and <= 1 (1 = off). Given: {v}", gt=0.0, le=1.0)] = None
-    n: int | None = None
-    stop: list[str] | str | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    n: Annotated[
+        int | None, in_range("`n` must be 1: this server returns one choice per request. Given: {v}", ge=1, le=1)
+    ] = None
+    stop: Annotated[list[str] | str | None, stop_schema(OPENAI_MAX_STOP, MAX_STOP_CHARS)] = None
+    seed: Annotated[
+        int | None,
+        in_range(f"`seed` must be a 64-bit signed integer, >= {INT64_MIN} and <= {INT64_MAX}. Given: {{v}}",
+                 ge=INT64_MIN, le=INT64_MAX),
+    ] = None
+    presence_penalty: Annotated[
+        float | None, in_range(UNSUPPORTED_PENALTY.format(field="presence_penalty"), ge=0, le=0)
+    ] = None
+    frequency_penalty: Annotated[
+        float | None, in_range(UNSUPPORTED_PENALTY.format(field="frequency_penalty"), ge=0, le=0)
+    ] = None
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0}, description="only {}")
     user: str | None = None  # accepted and ignored: it only identifies the end user to OpenAI
     metadata: dict[str, str] | None = None  # accepted and ignored: tags for OpenAI's dashboards
     stream: bool | None = None
@@ -78,15 +116,14 @@ class SamplingRequest(BaseModel):
         float | None, in_range("`repetition_penalty` must be strictly positive (1 = off). Given: {v}", gt=0.0)
     ] = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
-    min_tokens: int | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _n(cls, v: int | None) -> int | None:
-        if v is not None and v != 1:
-            raise _unsupported("n", v, "must be 1: this server returns one choice per request")
-        return v
+    stop_token_ids: list[int] | None = Field(
+        None, json_schema_extra={"items": {"type": "integer", "minimum": 0}, "maxItems": MAX_STOP_ITEMS}
+    )
+    min_tokens: Annotated[
+        int | None,
+        in_range("`min_tokens` is not supported yet, only 0 (EOS may end the output at any length). Given: {v}",
+                 ge=0, le=0),
+    ] = None
 
     @field_validator("stop")
     @classmethod
@@ -95,21 +132,6 @@ class SamplingRequest(BaseModel):
         if len(stops) > OPENAI_MAX_STOP:
             raise ValueError(f"`stop` supports up to {OPENAI_MAX_STOP} stop sequences. Given: {len(stops)}")
         return stops
-
-    @field_validator("seed")
-    @classmethod
-    def _seed(cls, v: int | None) -> int | None:
-        if v is not None and not INT64_MIN <= v <= INT64_MAX:
-            raise ValueError(f"`seed` must be a 64-bit signed integer, >= {INT64_MIN} and <= {INT64_MAX}. Given: {v}")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalty(cls, v: float | None, info: ValidationInfo) -> float | None:
-        if v:
-            raise _unsupported(info.field_name, v, "is not supported, only 0: this server has no such penalty "
-                               "(its repetition_penalty is a different, multiplicative penalty)")
-        return v
 
     @field_validator("logit_bias")
     @classmethod
@@ -128,13 +150,6 @@ class SamplingRequest(BaseModel):
             raise ValueError(f"`stop_token_ids` must be token ids, >= 0. Given: {bad}")
         return v
 
-    @field_validator("min_tokens")
-    @classmethod
-    def _min_tokens(cls, v: int | None) -> int | None:
-        if v:
-            raise _unsupported("min_tokens", v, "is not supported yet, only 0 (EOS may end the output at any length)")
-        return v
-
     @field_validator("stream_options")
     @classmethod
     def _stream_options(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
@@ -151,11 +166,15 @@ class CompletionRequest(SamplingRequest):
     """Body of ``POST /v1/completions``. ``prompt`` is one text, or one list of token ids (a list holding
     one of either is the same prompt); several prompts in one request are not supported."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool | None = None
-    best_of: int | None = None
-    suffix: str | None = None
-    logprobs: int | None = None
+    prompt: Annotated[str | list[str] | list[int] | list[list[int]], WithJsonSchema({"anyOf": [
+        PROMPT_TEXT,
+        PROMPT_IDS,
+        {"type": "array", "items": {"anyOf": [PROMPT_TEXT, PROMPT_IDS]}, "minItems": 1, "maxItems": 1},
+    ], "description": "one prompt: a text or token ids, or a list holding one of either"})]
+    echo: bool | None = Field(None, json_schema_extra={"enum": [False, None]}, description="only false")
+    best_of: int | None = Field(None, json_schema_extra={"minimum": 1, "maximum": 1}, description="only 1")
+    suffix: str | None = Field(None, json_schema_extra={"maxLength": 0}, description="no insertion mode")
+    logprobs: Annotated[int | None, WithJsonSchema({"type": "null", "description": "not supported yet"})] = None
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -216,19 +235,19 @@ class CompletionRequest(SamplingRequest):
 class ContentPart(BaseModel):
     """One part of a message's content; only ``{"type": "text", "text": ...}`` is accepted."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=_required("text"))
 
-    type: str
+    type: str = Field(json_schema_extra={"enum": ["text"]})
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=_required("content"))
 
-    role: str
+    role: str = Field(json_schema_extra={"enum": list(CHAT_ROLES)})
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[Any] | None = Field(None, json_schema_extra={"maxItems": 0}, description="no tool calling")
 
     @property
     def text(self) -> str:
@@ -247,21 +266,23 @@ class ChatMessage(BaseModel):
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    type: str
+    type: str = Field(json_schema_extra={"enum": ["text"]})
 
 
 class ChatCompletionRequest(SamplingRequest):
     """Body of ``POST /v1/chat/completions``."""
 
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
+    max_completion_tokens: Annotated[
+        int | None, in_range("`max_completion_tokens` must be strictly positive. Given: {v}", gt=0)
+    ] = None
+    logprobs: bool | None = Field(None, json_schema_extra={"enum": [False, None]}, description="only false")
+    top_logprobs: int | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 0}, description="only 0")
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    functions: list[Any] | None = None
-    function_call: str | dict[str, Any] | None = None
+    tools: list[Any] | None = Field(None, json_schema_extra=NO_TOOLS, description="no tool calling")
+    tool_choice: Annotated[str | dict[str, Any] | None, NO_TOOL_CHOICE] = None
+    functions: list[Any] | None = Field(None, json_schema_extra=NO_TOOLS, description="no tool calling")
+    function_call: Annotated[str | dict[str, Any] | None, NO_TOOL_CHOICE] = None
     parallel_tool_calls: bool | None = None  # accepted and ignored: there are no tools to call
 
     @field_validator("messages")
@@ -290,13 +311,6 @@ class ChatCompletionRequest(SamplingRequest):
         total = sum(len(message.text) for message in v)
         if total > MAX_INPUT_CHARS:
             raise ValueError(f"`messages` must have at most {MAX_INPUT_CHARS} characters of content. Given: {total}")
-        return v
-
-    @field_validator("max_completion_tokens")
-    @classmethod
-    def _max_completion_tokens(cls, v: int | None) -> int | None:
-        if v is not None and v <= 0:
-            raise ValueError(f"`max_completion_tokens` must be strictly positive. Given: {v}")
         return v
 
     @field_validator("logprobs")

@@ -28,7 +28,8 @@ from common.protocol import Control, ErrorEvent, Finish, Job, SamplingParams, To
 
 log = logging.getLogger(__name__)
 
-REQUEST_ID_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,256}$")
+REQUEST_ID_REGEX = r"^[a-zA-Z0-9_-]{1,256}$"  # a client's request id (KServe `id`, TGI `x-request-id`)
+REQUEST_ID_PATTERN = re.compile(REQUEST_ID_REGEX)
 MAX_INPUT_CHARS = 4 * 1024 * 1024  # SPEC.md: a text prompt has at most 4 MiB of characters
 # SPEC.md's limits on stop strings, the same on every route that takes them.
 MAX_STOP_ITEMS = 1024

@@ -22,6 +22,7 @@ from api.inference import InferenceRequest, Protocol, generate, resolve, submit
 from api.pipeline import (
     MAX_STOP_ITEMS,
     REQUEST_ID_PATTERN,
+    REQUEST_ID_REGEX,
     GenerationRequest,
     GenerationResult,
     PipelineError,
@@ -198,13 +199,14 @@ async def _stream(
     return event_stream(submission, render, _error_event, headers={"x-request-id": request.request_id})
 
 
+SSE_CONTENT = {"content": {"text/event-stream": {}}}  # a stream's 200, beside or instead of JSON
 Ctx = Annotated[ServerContext, Depends(get_ctx)]
-RequestIdHeader = Annotated[str | None, Header(alias="x-request-id")]
+RequestIdHeader = Annotated[str | None, Header(alias="x-request-id", json_schema_extra={"pattern": REQUEST_ID_REGEX})]
 
 
 @router.post(
     "/",
-    responses={**ERROR_RESPONSES, 200: {"model": list[TGIGenerateResponse], "description": "list of one "
+    responses={**ERROR_RESPONSES, 200: {"model": list[TGIGenerateResponse], **SSE_CONTENT, "description": "list of one "
                                         "generation, or an SSE stream of TGIStreamResponse when stream=true"}},
     summary="Generate text (TGI compatible; list response, or SSE when stream is true)",
 )
@@ -226,7 +228,8 @@ async def generate_route(
 
 @router.post(
     "/generate_stream",
-    responses={**ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}, "description": "TGIStreamResponse events"}},
+    response_class=EventSourceResponse,
+    responses={**ERROR_RESPONSES, 200: {**SSE_CONTENT, "description": "TGIStreamResponse events"}},
 )
 async def generate_stream_route(body: TGIRequest, ctx: Ctx, x_request_id: RequestIdHeader = None) -> Response:
     return await _stream(ctx, body, _request_id(x_request_id), "int")

@@ -11,14 +11,22 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from api.pipeline import MAX_INPUT_CHARS, check_text, validate_stop
-from api.ranges import in_range
+from api.pipeline import MAX_INPUT_CHARS, MAX_STOP_CHARS, MAX_STOP_ITEMS, check_text, validate_stop
+from api.ranges import in_range, stop_schema, text_schema
 from common.protocol import FinishReason
 
 UINT32_MAX_PARAM = 2147483647
 UINT64_MAX = 2**64 - 1
 ADAPTER_ID = re.compile(r"^[A-Za-z0-9._/-]{1,256}$")
 NO_ADAPTER = "None"
+
+
+def _null_allowed(schema: dict[str, Any]) -> None:
+    """A field's JSON schema hook: null is accepted too (its before-validator reads it as the default)."""
+    kept = {key: schema.pop(key) for key in ("title", "default", "description") if key in schema}
+    branch = dict(schema)
+    schema.clear()
+    schema.update(anyOf=[branch, {"type": "null"}], **kept)
 
 
 class TGIParameters(BaseModel):
@@ -59,8 +67,9 @@ class TGIParameters(BaseModel):
         float | None, in_range("`typical_p` must be > 0.0 and <= 1.0. Given: {v}", gt=0.0, le=1.0)
     ] = None
     watermark: bool | None = None
-    stop: list[str] | str | None = None
-    adapter_id: str | None = None
+    stop: Annotated[list[str] | str | None, stop_schema(MAX_STOP_ITEMS, MAX_STOP_CHARS)] = None
+    adapter_id: str | None = Field(None, json_schema_extra={"enum": [NO_ADAPTER, None]},
+                                   description="LoRA adapter: none are configured, so only \"None\"")
 
     @field_validator("stop")
     @classmethod
@@ -100,9 +109,12 @@ class TGIRequest(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    inputs: str | list[dict[str, Any]]
-    parameters: TGIParameters = Field(default_factory=TGIParameters)
-    stream: bool = False
+    inputs: Annotated[
+        str | list[dict[str, Any]],
+        text_schema(MAX_INPUT_CHARS, "the prompt (the multimodal list form is refused: the served model is text-only)"),
+    ]
+    parameters: TGIParameters = Field(default_factory=TGIParameters, json_schema_extra=_null_allowed)
+    stream: bool = Field(False, json_schema_extra=_null_allowed)
 
     @field_validator("parameters", mode="before")
     @classmethod

@@ -9,7 +9,7 @@ import pytest
 import api.pipeline
 from api.context import ServerContext
 from api.pipeline import GenerationRequest, PipelineError
-from common.protocol import TokenEvent
+from common.protocol import Finish, TokenEvent, TokenInfo
 
 SubmitFn = Callable[[ServerContext, GenerationRequest], Awaitable["FakeSubmission"]]
 
@@ -45,3 +45,11 @@ def patch_submit(monkeypatch: pytest.MonkeyPatch, submit: SubmitFn) -> None:
     """Route every adapter's queueing (``generate`` and streams alike: both reach :func:`api.pipeline.submit`
     through :mod:`api.inference`) through ``submit``."""
     monkeypatch.setattr(api.pipeline, "submit", submit)
+
+
+async def one_token_submit(ctx: ServerContext, request: GenerationRequest) -> FakeSubmission:
+    """A stand-in worker answering one token, "x", to every accepted request."""
+    token = TokenInfo(id=5, text="x", logprob=-0.5, special=False)
+    finish = Finish(finish_reason="length", generated_tokens=1, prompt_tokens=len(request.input_ids),
+                    seed=request.params.seed, generated_text="x")
+    return FakeSubmission(ctx, [TokenEvent(index=0, token=token, finish=finish)])

@@ -20,9 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from api.app import create_app
-from common.protocol import Finish, TokenEvent, TokenInfo
 from common.settings import Settings
-from tests.fakes import FakeSubmission, patch_submit
+from tests.fakes import one_token_submit, patch_submit
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -105,16 +104,9 @@ stop_bodies = objects({"id": maybe(st.text(max_size=10))})
 @pytest.fixture(scope="module")
 def client(tiny_model_path: Path) -> Iterator[TestClient]:
     """The app over fakeredis, with a stand-in worker answering one token to every accepted request."""
-
-    async def fake_submit(ctx, request):
-        token = TokenInfo(id=5, text="x", logprob=-0.5, special=False)
-        finish = Finish(finish_reason="length", generated_tokens=1, prompt_tokens=len(request.input_ids),
-                        seed=request.params.seed, generated_text="x")
-        return FakeSubmission(ctx, [TokenEvent(index=0, token=token, finish=finish)])
-
     app = create_app(Settings(model_path=tiny_model_path, max_iter_times=512), redis=fakeredis.FakeAsyncRedis())
     with pytest.MonkeyPatch.context() as patcher:
-        patch_submit(patcher, fake_submit)
+        patch_submit(patcher, one_token_submit)
         with TestClient(app, raise_server_exceptions=False) as c:
             yield c
 

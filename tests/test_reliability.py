@@ -40,7 +40,7 @@ from common import keys
 from common.protocol import Control, ErrorEvent, Finish, Job, SamplingParams, TokenEvent, TokenInfo, decode_event
 from common.settings import Settings
 from tests.conftest import Stack, free_port, start_stack, stop_stack
-from tests.fakes import FakeSubmission, patch_submit
+from tests.fakes import one_token_submit, patch_submit
 from worker.transformers_engine import TransformersEngine
 from worker.main import WorkerLoop
 
@@ -377,13 +377,7 @@ def small_body_client(tiny_model_path: Path) -> Iterator[TestClient]:
 
 @pytest.fixture
 def stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
-    async def fake_submit(ctx, request):
-        token = TokenInfo(id=5, text="x", logprob=-0.5, special=False)
-        finish = Finish(finish_reason="length", generated_tokens=1, prompt_tokens=len(request.input_ids),
-                        seed=request.params.seed, generated_text="x")
-        return FakeSubmission(ctx, [TokenEvent(index=0, token=token, finish=finish)])
-
-    patch_submit(monkeypatch, fake_submit)
+    patch_submit(monkeypatch, one_token_submit)
 
 
 def routes(client: TestClient) -> list[tuple[str, str]]:
