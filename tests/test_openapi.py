@@ -4,8 +4,8 @@ each answer to it.
 Valid requests (by the document) must be accepted, invalid ones refused, and every answer must have a status,
 content type and body the document declares for that route; never a 5xx. The app runs in-process over
 fakeredis with a stand-in worker answering one token (tests/fakes.py), so what is fuzzed is the API pod:
-validation, the adapters and their responses. Requests that need workers report "not ready" (503), which the
-document declares.
+validation, the adapters and their responses. A heartbeat in fakeredis makes the stand-in worker live, so
+the health routes answer 200 and requests are taken.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from tests.fakes import one_token_submit, patch_submit
 # Refusals a schema-valid request may still get, for rules the document states in words only: limits of the
 # served model (its vocabulary, its context length), which one document for every model cannot give as
 # numbers; rules JSON Schema cannot express (two fields that must be equal; and see schema_valid_accepted);
-# and /generate_stream's one rule
-# on the body it shares with /generate. Any other refusal of a schema-valid request fails the test.
+# and /generate_stream's one rule on the body it shares with /generate. Any other refusal of a schema-valid
+# request fails the test.
 UNSTATED_RULES = (
     "the vocabulary size",
     "tokens. Given:",
