@@ -21,7 +21,6 @@ from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-
 log = logging.getLogger(__name__)
 
 VALIDATION_PREFIX = "Input validation error: "

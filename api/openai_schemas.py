@@ -29,13 +29,13 @@ from pydantic import (
 )
 
 from api.pipeline import MAX_INPUT_CHARS, MAX_STOP_CHARS, MAX_STOP_ITEMS, check_text, validate_stop
-from api.ranges import in_range, stop_schema
+from api.ranges import in_range, stop_schema, text_json_schema
 
 OPENAI_MAX_STOP = 4  # OpenAI's cap on stop sequences, stricter than the pipeline's
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
 # The prompt's two forms as /v1/completions takes them (CompletionRequest._prompt enforces both).
-PROMPT_TEXT = {"type": "string", "minLength": 1, "maxLength": MAX_INPUT_CHARS}
+PROMPT_TEXT = text_json_schema(MAX_INPUT_CHARS)
 PROMPT_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 TOOL_ROLES = ("tool", "function")

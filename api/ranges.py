@@ -58,9 +58,14 @@ class in_range:  # noqa: N801 - used as a field annotation, like pydantic's own 
         return json_schema
 
 
+def text_json_schema(max_chars: int) -> JsonSchemaValue:
+    """The JSON schema of a prompt text whose validator enforces 1 to ``max_chars`` characters."""
+    return {"type": "string", "minLength": 1, "maxLength": max_chars}
+
+
 def text_schema(max_chars: int, description: str) -> WithJsonSchema:
-    """The JSON schema of a prompt text field whose validator enforces 1 to ``max_chars`` characters."""
-    return WithJsonSchema({"type": "string", "minLength": 1, "maxLength": max_chars, "description": description})
+    """A prompt text field's JSON schema (:func:`text_json_schema`), with its description."""
+    return WithJsonSchema({**text_json_schema(max_chars), "description": description})
 
 
 def stop_schema(max_items: int, max_chars: int) -> WithJsonSchema:

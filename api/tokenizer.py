@@ -196,12 +196,3 @@ class ApiTokenizer:
             messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
             **self.special_tokens,
         )
-
-    @property
-    def bos_token_id(self) -> int | None:
-        bos = self.special_tokens.get("bos_token")
-        return None if bos is None else self._backend.token_to_id(bos)
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        """The ids' text, as the tokenizer's decoder makes it (the workers detokenize; this is for checks)."""
-        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -617,9 +617,10 @@ async def test_chat_messages_are_rendered_with_the_template(chat_ctx: ServerCont
     request = await resolve_chat(chat_ctx)
     assert request.request_id == "chatcmpl-1"
     assert request.input_ids == rendered_ids(chat_ctx.model, MESSAGES)
-    bos = chat_ctx.model.tokenizer.bos_token_id
+    reference = AutoTokenizer.from_pretrained(chat_ctx.model.path)
+    bos = reference.bos_token_id
     assert request.input_ids[0] == bos and request.input_ids.count(bos) == 1
-    prompt = chat_ctx.model.tokenizer.decode(request.input_ids, skip_special_tokens=True)
+    prompt = reference.decode(request.input_ids, skip_special_tokens=True)
     assert prompt.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nHello<|im_end|>" in prompt
 
 
