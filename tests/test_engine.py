@@ -17,6 +17,7 @@ from common.protocol import Job, SamplingParams, TokenEvent
 from common.settings import Settings
 from tests.test_engine_contract import PROMPTS
 from worker.attention import PADDED_SDPA, use_padded_attention
+from worker.cpu_linear import use_packed_linear
 from worker.engine import StepOutput
 from worker.transformers_engine import TransformersEngine
 
@@ -31,10 +32,11 @@ def model(tiny_model_path: Path) -> PreTrainedModel:
 
 @pytest.fixture(scope="module")
 def served(tiny_model_path: Path) -> PreTrainedModel:
-    """The model as ``Engine.load`` prepares it (padded-batch SDPA attention)."""
+    """The model as ``Engine.load`` prepares it (padded-batch SDPA attention, oneDNN-packed linear layers)."""
     served = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
     use_padded_attention(served)
     assert served.config._attn_implementation == PADDED_SDPA
+    assert use_packed_linear(served) > 0
     return served
 
 
@@ -167,6 +169,7 @@ def test_special_eos_token_is_emitted_with_empty_text(model, served, tokenizer, 
     eos_model = copy.deepcopy(served)
     with torch.no_grad():  # make the EOS logit a multiple of the logit of a token greedy decoding picks
         eos_model.lm_head.weight[tokenizer.eos_token_id] = 3 * eos_model.lm_head.weight[reference[4]]
+    eos_model.lm_head.pack()  # the packed copy follows the changed weight
     job = make_job(prompts[0], max_new_tokens=20)
     other = make_job(prompts[3], max_new_tokens=20)
     events = run(make_engine(eos_model, tokenizer), {0: [job, other]})

@@ -23,6 +23,7 @@ from common.protocol import ErrorEvent, Job, TokenEvent
 from common.settings import Settings
 from worker.attention import use_padded_attention
 from worker.batch import DecodeBatch, ForwardArgs
+from worker.cpu_linear import use_packed_linear
 from worker.detokenizer import make_decoder
 from worker.engine import (
     Engine,
@@ -103,6 +104,7 @@ class TransformersEngine(Engine):
         except RuntimeError as exc:  # out of device memory, most likely
             raise EngineLoadError.for_model(path, exc, f"cannot move the model to {device}") from None
         use_padded_attention(model)
+        use_packed_linear(model)
         log.info("loaded the model at %s in %.1f s (dtype %s, device %s)", path, time.monotonic() - started,
                  str(model.dtype).removeprefix("torch."), device)
         return cls(model, tokenizer, settings)
