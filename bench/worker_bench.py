@@ -6,16 +6,20 @@ a free port. Each round, per concurrency level, runs the engine alone and then t
 same kind of jobs (``concurrency`` queued at once, batch after batch, at least 16 per measurement; 32
 prompt tokens, 64 new tokens, greedy, EOS off), and
 prints both tokens/s and their ratio: what publishing every token to Redis, acknowledging jobs and
-looking for new ones costs the worker per step. Nobody subscribes to the reply channels (a PUBLISH costs
-the same round trip either way). Rounds alternate the two, so a noisy machine shows as spread.
+looking for new ones costs the worker per step. A thread stands in for the API pod: one pattern
+subscription to the reply channels, read and dropped (a worker cancels a request whose channel has no
+receiver, as it would for a pod that is gone). Rounds alternate the two, so a noisy machine shows as spread.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import redis
@@ -37,13 +41,35 @@ from worker.tiny_model import ensure_tiny_model  # noqa: E402
 
 PROMPT_TOKENS = 32
 NEW_TOKENS = 64
+REPLY_PREFIX = "bench-reply:"
 
 
 def jobs(count: int, first: int) -> list[Job]:
-    return [Job(request_id=f"r{first + i}", model="bench", reply_channel=f"bench-reply:{first + i}",
+    return [Job(request_id=f"r{first + i}", model="bench", reply_channel=f"{REPLY_PREFIX}{first + i}",
                 input_ids=[1] + [50 + (first + i) % 7] * (PROMPT_TOKENS - 1),
                 params=SamplingParams(seed=1, max_new_tokens=NEW_TOKENS), enqueued_at=time.time())
             for i in range(count)]
+
+
+@contextlib.contextmanager
+def api_pod_stand_in(url: str) -> Iterator[None]:
+    """Receive (and drop) every reply event through one pattern subscription, as an API pod does."""
+    pubsub = redis.Redis.from_url(url).pubsub(ignore_subscribe_messages=True)
+    pubsub.psubscribe(f"{REPLY_PREFIX}*")
+    done = threading.Event()
+
+    def drain() -> None:
+        while not done.is_set():
+            pubsub.get_message(timeout=0.1)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        yield
+    finally:
+        done.set()
+        reader.join()
+        pubsub.close()
 
 
 def engine_alone(engine: TransformersEngine, batches: list[list[Job]]) -> float:
@@ -78,7 +104,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory(prefix="ferry-bench-") as scratch, embedded_redis("redis-server") as url:
+    with contextlib.ExitStack() as stack:
+        scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="ferry-bench-"))
+        url = stack.enter_context(embedded_redis("redis-server"))
+        stack.enter_context(api_pod_stand_in(url))
         model = model_without_eos(ensure_tiny_model(default_model_dir()), Path(scratch) / "tiny-llama-no-eos")
         settings = Settings(model_path=model, model_name="bench", redis_url=url,
                             max_batch_size=max(args.concurrency))
