@@ -93,6 +93,7 @@ from serve_bench import Workload, _ms, _table, deploy, in_process, machine_facts
 from server.embedded import embedded_redis  # noqa: E402
 from common.settings import Settings, default_model_dir  # noqa: E402
 from tests.conftest import free_port, wait_healthy  # noqa: E402
+from worker.cpu_threads import auto_cores  # noqa: E402
 from worker.tiny_model import ensure_tiny_model  # noqa: E402
 from worker.transformers_engine import TransformersEngine  # noqa: E402
 
@@ -241,6 +242,7 @@ class Config:
     time_limit: float
     kv_cache_gib: int
     engine_args: dict[str, Any]
+    bind: str
     bind_cpus: list[int]
     log_dir: Path
 
@@ -310,11 +312,11 @@ def served_run(cfg: Config, base_url: str, model_name: str) -> Callable[[list[li
 
 @contextlib.contextmanager
 def transformers_in_process(cfg: Config) -> Iterator[Side]:
-    torch.set_num_threads(1)
+    torch.set_num_threads(max(1, len(cfg.bind_cpus)))
     engine = TransformersEngine.load(Settings(model_path=cfg.model, dtype="float32", max_batch_size=cfg.max_batch))
 
     def run(prompts: list[list[int]], concurrency: int) -> dict[str, Any]:
-        torch.set_num_threads(1)
+        torch.set_num_threads(max(1, len(cfg.bind_cpus)))
         with affinity(cfg.bind_cpus):
             return in_process(engine, Workload([], prompts, cfg.prompt_tokens, cfg.new_tokens), concurrency,
                               cfg.time_limit)
@@ -359,8 +361,10 @@ def ferry_served(cfg: Config, redis_url: str, engine: str) -> Iterator[Side]:
                   "MAX_SEQ_LEN": str(MAX_MODEL_LEN)}
     if engine == "vllm":  # vLLM binds its own engine core; the worker process is its front end
         worker_env |= {"VLLM_ENGINE_ARGS": json.dumps(cfg.engine_args), "VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib)}
-    else:
+    elif cfg.bind == "vllm":
         worker_env |= omp_bind_env(cfg.bind_cpus)
+    elif cfg.bind == "none":
+        worker_env["CPU_THREADS_BIND"] = "nobind"  # "auto": the worker binds itself, to cfg.bind_cpus
     api_env = {"MAX_SEQ_LEN": str(MAX_MODEL_LEN)}
     with deploy(redis_url, cfg.model, cfg.log_dir / f"ferry-{engine}", worker_env=worker_env,
                 api_env=api_env) as deployment:
@@ -500,8 +504,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"closed-loop streamed "
         f"`/v1/completions` clients for every server; {config['rounds']} rounds, the side order reversed every "
         f"other round. vLLM engine args {json.dumps(config['engine_args'])}, KV cache {config['kv_cache_gib']} GiB; "
-        f"the transformers engine's torch thread bound to cores {config['bind_cpus'] or 'none (unbound)'} "
-        f"(vLLM's engine core: {report['vllm_bound_cpus']}).", "",
+        f"the transformers engine's torch threads bound to cores {config['bind_cpus'] or 'none (unbound)'} "
+        f"(--bind {config['bind']}; vLLM's engine core: {report['vllm_bound_cpus']}).", "",
         "Cells: median over rounds (min–max). Ratios: tokens/s of the two sides in the same round, then median "
         "(min–max) over rounds. vLLM offline has no clients, hence no TTFT.", "",
         "## Target", "", target_line, "",
@@ -539,8 +543,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vllm-engine-args", type=json.loads, default={},
                         help="JSON object of vllm.EngineArgs fields for every vLLM side")
     parser.add_argument("--kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE of every vLLM side")
-    parser.add_argument("--bind", choices=["vllm", "none"], default="vllm",
-                        help="the transformers engine's torch thread: on vLLM's engine core's cores, or unbound")
+    parser.add_argument("--bind", choices=["auto", "vllm", "none"], default="auto",
+                        help="the transformers engine's torch threads: the worker's own placement (CPU_THREADS_BIND "
+                        "auto), on vLLM's engine core's cores (by OMP env), or unbound")
     parser.add_argument("--model-dir", type=Path, default=BENCH / "out" / "models" / "llama-28m")
     parser.add_argument("--vllm-venv", type=Path, default=BENCH / "out" / "vllm-venv")
     parser.add_argument("--out", type=Path, default=BENCH / "out")
@@ -556,7 +561,8 @@ def main(argv: list[str] | None = None) -> None:
     bound = vllm_bound_cpus()
     cfg = Config(model=model, model_name="llama-28m", prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
                  max_batch=max(args.concurrency), time_limit=args.time_limit, kv_cache_gib=args.kv_cache_gib,
-                 engine_args=args.vllm_engine_args, bind_cpus=bound if args.bind == "vllm" else [],
+                 engine_args=args.vllm_engine_args, bind=args.bind,
+                 bind_cpus={"auto": auto_cores(os.sched_getaffinity(0)), "vllm": bound, "none": []}[args.bind],
                  log_dir=args.out / "logs" / "engines")
     if "vllm-server" in sides:
         facts["vllm_server_venv"] = venv_versions(ensure_vllm_venv(args.vllm_venv))
@@ -566,7 +572,7 @@ def main(argv: list[str] | None = None) -> None:
     report: dict[str, Any] = {
         "config": {"command": " ".join([".venv/bin/python", "bench/engines_bench.py", *sys.argv[1:]]),
                    **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                   "sides": sides, "bind_cpus": cfg.bind_cpus, "engine_args": cfg.engine_args},
+                   "sides": sides, "bind": cfg.bind, "bind_cpus": cfg.bind_cpus, "engine_args": cfg.engine_args},
         "machine": facts,
         "model": {"path": str(model), "parameters": parameter_count(model),
                   "shape": ", ".join(f"{k.replace('num_', '').replace('_', ' ')} {v}" for k, v in MODEL_SHAPE.items())},

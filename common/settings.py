@@ -55,6 +55,20 @@ SECTION_PATHS: dict[str, tuple[str, ...]] = {
 }
 
 
+def parse_core_list(text: str) -> list[int]:
+    """Core ids of a list such as ``0-3,6`` (the form of taskset and OMP places); ValueError when malformed."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        first, sep, last = part.strip().partition("-")
+        if not first.isdigit() or (sep and not last.isdigit()):
+            raise ValueError(f"{text!r} is not a list of core ids such as 0-3,6")
+        low, high = int(first), int(last) if sep else int(first)
+        if high < low:
+            raise ValueError(f"{part.strip()!r} is an empty range")
+        cores.update(range(low, high + 1))
+    return sorted(cores)
+
+
 class ConfigError(ValueError):
     """The configuration cannot be used; the message names the key at fault."""
 
@@ -292,6 +306,11 @@ class Settings(BaseSettings):
     max_batch_total_tokens: int = Field(
         65536, gt=0, **_spec("ScheduleConfig", "maxBatchTotalTokens", "MAX_BATCH_TOTAL_TOKENS")
     )
+    cpu_threads_bind: str = Field(
+        "auto", description="a CPU worker's torch threads (built-in engine): auto (every usable core but one, "
+        "left to the API pod and Redis; nothing when OMP_NUM_THREADS is set), nobind (torch's default) or cores "
+        "such as 0-3,6", **_spec("BackendConfig", "cpuThreadsBind", "CPU_THREADS_BIND"),
+    )
     worker_pool: str = Field(
         "cpu", pattern=r"^[A-Za-z0-9_-]+$", **_spec("BackendConfig", "workerPool", "WORKER_POOL")
     )
@@ -302,6 +321,13 @@ class Settings(BaseSettings):
         kind = value.split(":", 1)[0]
         if kind not in ("cpu", "cuda", "npu"):
             raise ValueError("device must be cpu, cuda[:n] or npu[:n]")
+        return value
+
+    @field_validator("cpu_threads_bind")
+    @classmethod
+    def _core_list(cls, value: str) -> str:
+        if value not in ("auto", "nobind"):
+            parse_core_list(value)
         return value
 
     @field_validator("truncation")

@@ -36,6 +36,7 @@ from common.logs import configure_logging
 from common.process import command_parser, freeze_startup_heap
 from common.protocol import Control, ErrorEvent, Job, WorkerStatus
 from common.settings import EngineName, Settings, settings_or_exit
+from worker.cpu_threads import place_worker_threads
 from worker.engine import Engine, EngineLoadError, StepOutput, load_engine
 from worker.metrics import WorkerMetrics
 
@@ -338,6 +339,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     settings = settings_or_exit("ferry-worker", **{k: v for k, v in vars(args).items() if v is not None})
     configure_logging(settings.log_format, settings.log_level)
+    try:
+        place_worker_threads(settings)
+    except ValueError as exc:
+        print(f"ferry-worker: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
     try:
         engine = load_engine(settings)
     except EngineLoadError as exc:
