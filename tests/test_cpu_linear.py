@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from worker.cpu_linear import PackedLinear, use_packed_linear
+from worker.cpu_linear import PackedLinear, packed_dtypes, use_packed_linear
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", packed_dtypes())
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(1, 64), (7, 64), (3, 5, 64)])
 def test_packed_linear_equals_nn_linear(dtype: torch.dtype, bias: bool, shape: tuple[int, ...]) -> None:
@@ -62,6 +62,30 @@ def test_a_cpu_model_switches_every_float_linear(tiny_model_path: Path) -> None:
     assert all(type(m) is PackedLinear for m in linears)
     assert use_packed_linear(model) == 0  # already switched: nothing left to do
     torch.testing.assert_close(output, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_bfloat16_model_switches_only_where_onednn_packs_bfloat16(tiny_model_path: Path) -> None:
+    """On a CPU without oneDNN's bf16 instructions the layers stay nn.Linear rather than fail at load."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16).eval()
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    ids = torch.tensor([[1, 20, 30, 40]])
+    with torch.inference_mode():
+        expected = model(ids).logits
+        switched = use_packed_linear(model)
+        output = model(ids).logits
+    assert switched == (len(linears) if torch.bfloat16 in packed_dtypes() else 0)
+    torch.testing.assert_close(output, expected, atol=5e-2, rtol=5e-2)
+
+
+def test_a_cpu_without_bfloat16_packing_keeps_bfloat16_layers(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CI machines' CPUs lack those instructions; this one may not, so it is told so."""
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert packed_dtypes() == (torch.float32,)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16).eval()
+    assert use_packed_linear(model) == 0
+    assert not any(type(m) is PackedLinear for m in model.modules())
 
 
 def test_a_half_precision_model_keeps_nn_linear(tiny_model_path: Path) -> None:

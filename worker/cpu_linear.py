@@ -6,8 +6,8 @@ time re-laying out the weight. oneDNN's inner product on a weight already in its
 which is what vLLM's CPU backend does for its linear layers too. The measured effect is in
 bench/RESULTS.md ("The built-in engine on CPU").
 
-:func:`use_packed_linear` switches every ``torch.nn.Linear`` of a CPU model with a float32 or bfloat16 weight
-to :class:`PackedLinear` (a subclass, so code that looks for ``nn.Linear``, peft's adapters included, still
+:func:`use_packed_linear` switches every ``torch.nn.Linear`` of a CPU model whose weight dtype oneDNN packs on
+this CPU (:func:`packed_dtypes`) to :class:`PackedLinear` (a subclass, so code that looks for ``nn.Linear``, peft's adapters included, still
 finds it). The packed weight is a copy: the dense weight stays, because tied weights (an LM head shared
 with the input embeddings) and adapters read it; a model's linear weights take twice their memory on CPU.
 """
@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-PACKED_DTYPES = (torch.float32, torch.bfloat16)
 BATCH_HINT = 32
 """The row count oneDNN is told to expect when it chooses the weight's layout (any count works; measured
 here, hints from 1 to 128 gave the same speed within noise at 1 to 256 rows)."""
@@ -50,6 +49,12 @@ class PackedLinear(torch.nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(input, self.packed_weight, bias, "none", [], "")
 
 
+def packed_dtypes() -> tuple[torch.dtype, ...]:
+    """Weight dtypes oneDNN packs here: float32 always; bfloat16 only on a CPU with the instructions its bf16
+    path needs (avx512bw/vl/dq or avx_ne_convert), elsewhere bfloat16 layers stay plain ``nn.Linear``."""
+    return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
+
+
 def packs_linear(model: PreTrainedModel) -> bool:
     """Whether :func:`use_packed_linear` applies: a model on CPU, with a torch that has oneDNN."""
     return model.device.type == "cpu" and torch.backends.mkldnn.is_available()
@@ -59,9 +64,10 @@ def use_packed_linear(model: PreTrainedModel) -> int:
     """Switch the model's linear layers to :class:`PackedLinear` (see the module docstring); returns how many."""
     if not packs_linear(model):
         return 0
+    dtypes = packed_dtypes()
     count = 0
     for module in model.modules():
-        if type(module) is torch.nn.Linear and module.weight.dtype in PACKED_DTYPES:
+        if type(module) is torch.nn.Linear and module.weight.dtype in dtypes:
             module.__class__ = PackedLinear
             module.pack()
             count += 1
