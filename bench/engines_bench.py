@@ -31,11 +31,12 @@ Fairness, and how it is measured rather than assumed:
   every vLLM side. ``--vllm-engine-args`` (JSON) go to all three vLLM sides alike (Ferry's VLLM_ENGINE_ARGS,
   the server's flags, ``LLM(...)``); the default is none: vLLM's own defaults, torch.compile included.
 - Thread placement: vLLM on CPU binds its engine core's OpenMP threads itself (VLLM_CPU_OMP_THREADS_BIND
-  ``auto``: here one core, the other reserved for its front end). Ferry's transformers worker and the
-  in-process engine get the same placement: one torch thread (OMP_NUM_THREADS=1, as serve_bench.py gives its
-  workers), bound to the core vLLM binds (``--bind`` ``vllm``, the default: OMP_PLACES / OMP_PROC_BIND as
-  vLLM sets them for its core, and this process's own affinity for the in-process run); ``--bind none``
-  leaves them to the scheduler. The API pods, Redis, vLLM's front ends and this load generator float.
+  ``auto``: here one core, the other reserved for its front end). Ferry's transformers worker places its own
+  threads the same way (CPU_THREADS_BIND ``auto``, its default: every usable core but the last, one torch
+  thread per core; docs/engines.md), and the in-process engine gets those cores too (``--bind`` ``auto``, the
+  default); ``--bind vllm`` gives both the OMP_PLACES / OMP_PROC_BIND vLLM sets for its core instead, and
+  ``--bind none`` leaves them to the scheduler. The API pods, Redis, vLLM's front ends and this load
+  generator float.
   Measured (bound against unbound, both up, alternated over 2 rounds, 32 requests): no difference beyond
   the noise at concurrency 8 and 32 (served: 314 / 316 against 329 / 335 tokens/s at 8, 628 / 735 against
   641 / 729 at 32; in-process within 3 %), a small cost at concurrency 1 for the served worker (95 / 82
