@@ -4,19 +4,31 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import Request
 from redis.asyncio import Redis
 
+from api.media import MediaLoader
 from api.metrics import ApiMetrics
 from api.relay import EventRelay
 from api.tokenizer import ApiTokenizer
-from common.model_files import model_file, optional_model_file
+from common.model_files import ModelUnavailable, declared_media, model_file, optional_model_file
+from common.protocol import MediaKind
 from common.settings import ModelEntry, Settings
 
 MAX_INPUT_TOKENS_HARD_CAP = 1024 * 1024  # SPEC.md: the token limit never exceeds 1 Mi
+SERVED_MEDIA: frozenset[MediaKind] = frozenset({"image"})  # the kinds the engines' workers turn into features
+
+
+@dataclass(frozen=True)
+class MediaToken:
+    """The token a model's prompt holds in place of one media item."""
+
+    id: int
+    text: str
 
 
 @dataclass(frozen=True)
@@ -30,6 +42,8 @@ class ModelInfo:
     max_position_embeddings: int
     dtype: str
     default_top_k: int = 0
+    media_tokens: Mapping[MediaKind, MediaToken] = field(default_factory=dict)  # the kinds served, by placeholder
+    declared_media: frozenset[MediaKind] = frozenset()  # every kind its config names, served or not
 
 
     @classmethod
@@ -39,16 +53,28 @@ class ModelInfo:
         config_file = model_file(entry.path, "config.json")
         path = config_file.parent  # the model's folder (for a hub id, its snapshot in the Hugging Face cache)
         config = json.loads(config_file.read_text())
+        # A multimodal model's language model has its own config inside (LLaVA's text_config).
+        text_config = {**config.get("text_config", {}), **config}
         generation_file = optional_model_file(entry.path, "generation_config.json")
         generation = json.loads(generation_file.read_text()) if generation_file else {}
-        vocab_size = int(config.get("padded_vocab_size") or config["vocab_size"])
+        vocab_size = int(text_config.get("padded_vocab_size") or text_config["vocab_size"])
+        tokenizer = ApiTokenizer.load(entry.path)
+        declared = declared_media(config)
+        media_tokens: dict[MediaKind, MediaToken] = {}
+        for kind, token_id in declared.items():
+            if (text := tokenizer.token_text(token_id)) is None:
+                raise ModelUnavailable(entry.path, f"its config's {kind} token id {token_id} is not in its tokenizer")
+            if kind in SERVED_MEDIA:
+                media_tokens[kind] = MediaToken(token_id, text)
         return cls(
             model_id=entry.name,
             path=path,
-            tokenizer=ApiTokenizer.load(entry.path),
+            tokenizer=tokenizer,
             vocab_size=vocab_size,
-            max_position_embeddings=int(config.get("max_position_embeddings") or MAX_INPUT_TOKENS_HARD_CAP),
-            dtype=str(config.get("torch_dtype") or config.get("dtype") or settings.dtype),
+            media_tokens=media_tokens,
+            declared_media=frozenset(declared),
+            max_position_embeddings=int(text_config.get("max_position_embeddings") or MAX_INPUT_TOKENS_HARD_CAP),
+            dtype=str(text_config.get("torch_dtype") or text_config.get("dtype") or settings.dtype),
             # SPEC.md: an unset top_k means the model's default, from generation_config.json, then config.json
             default_top_k=int(next((src["top_k"] for src in (generation, config) if src.get("top_k") is not None), 0)),
         )
@@ -69,9 +95,12 @@ class ServerContext:
     api_id: str
     models: dict[str, ModelInfo] = field(default_factory=dict)
     metrics: ApiMetrics = field(default_factory=ApiMetrics)
+    media: MediaLoader | None = None  # None: one under ``settings``' rules
 
     def __post_init__(self) -> None:
         self.models.setdefault(self.model.model_id, self.model)
+        if self.media is None:
+            self.media = MediaLoader(self.settings)
 
     def for_model(self, model_id: str) -> "ServerContext | None":
         """This context for another served model (sharing Redis, relay and metrics), None if not served."""

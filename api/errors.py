@@ -48,10 +48,21 @@ def _field(error: Any) -> str:
     return ".".join(str(p) for p in error.get("loc", ()) if str(p) not in _NOT_FIELDS and "[" not in str(p))
 
 
+def _most_specific(errors: Sequence[Any]) -> Any:
+    """The first error, or where a union's members all failed (one error each, under the same field), the one
+    that matched the value's type and got furthest into it: for a list given to ``str | list[Item]``, the
+    list's or the item's error, not "should be a valid string"."""
+    first = errors[0]
+    parent = tuple(first.get("loc", ()))[:-1]
+    siblings = [e for e in errors if tuple(e.get("loc", ()))[: len(parent)] == parent]
+    # a branch whose type did not match ("string_type", "model_type") is the wrong branch, not the mistake
+    return max(siblings, key=lambda e: (not str(e.get("type", "")).endswith("_type"), len(e.get("loc", ()))))
+
+
 def describe_validation_errors(errors: Sequence[Any], body_sent: bool = False) -> str:
     """One readable sentence for the first validation error, naming the offending field. ``body_sent``: the
     request had a body (FastAPI reports a JSON ``null`` body as missing, like no body at all)."""
-    error = errors[0]
+    error = _most_specific(errors)
     field = _field(error)
     if error.get("type") == "value_error":
         return str(error["ctx"]["error"])
@@ -69,7 +80,7 @@ def validation_error(
 ) -> ProtocolError:
     errors = exc.errors()
     message = VALIDATION_PREFIX + describe_validation_errors(errors, body_sent)
-    return ProtocolError(status, message, "validation", _field(errors[0]) or None)
+    return ProtocolError(status, message, "validation", _field(_most_specific(errors)) or None)
 
 
 class BodyTooLarge(HTTPException):

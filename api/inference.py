@@ -26,6 +26,7 @@ from starlette.requests import Request
 from api import pipeline
 from api.context import ServerContext
 from api.errors import VALIDATION_PREFIX, ProtocolError
+from api.media import MediaData, MediaRefused, MediaSource
 from api.pipeline import GenerationRequest, GenerationResult, PipelineError, Submission
 from common.protocol import SamplingParams
 
@@ -84,7 +85,12 @@ class InferenceRequest(BaseModel):
     prompt_field: str
     text: str | None = None
     token_ids: list[int] | None = None
-    messages: list[dict[str, Any]] | None = Field(None, description="chat messages, rendered with the chat template")
+    messages: list[dict[str, Any]] | None = Field(
+        None, description="chat messages, rendered with the chat template; a content is a text, or (media) parts"
+    )
+    parts: list[str | MediaSource] | None = Field(
+        None, description="a multimodal prompt: texts and media items, in the order the model sees them"
+    )
     truncate: int | None = Field(None, description="keep only the prompt's last tokens")
     do_sample: bool = False
     temperature: float | None = None
@@ -107,10 +113,17 @@ class InferenceRequest(BaseModel):
         sent = {name: getattr(params, name) for name in SAMPLING_FIELDS if hasattr(params, name)}
         return cls(**sent, **fields)
 
+    @property
+    def media_sources(self) -> list[MediaSource]:
+        """The prompt's media items, in the order the model sees them."""
+        parts = self.parts or [part for message in self.messages or () if isinstance(message["content"], list)
+                               for part in message["content"]]
+        return [part for part in parts if isinstance(part, MediaSource)]
+
     @model_validator(mode="after")
     def _one_prompt(self) -> "InferenceRequest":
-        if sum(p is not None for p in (self.text, self.token_ids, self.messages)) != 1:
-            raise ValueError("a request has exactly one prompt: text, token ids or messages")
+        if sum(p is not None for p in (self.text, self.token_ids, self.messages, self.parts)) != 1:
+            raise ValueError("a request has exactly one prompt: text, token ids, messages or parts")
         return self
 
 
@@ -134,12 +147,17 @@ async def tokenize(ctx: ServerContext, text: str, add_special_tokens: bool = Tru
 
 
 async def _render_chat(ctx: ServerContext, protocol: Protocol, request: InferenceRequest) -> str:
-    """The messages rendered with the model's chat template, ending with the assistant's turn."""
+    """The messages rendered with the model's chat template, ending with the assistant's turn; a message whose
+    content holds media has them as the model's placeholders, its parts joined with newlines as its texts are."""
     tokenizer, field = ctx.model.tokenizer, request.prompt_field
     if tokenizer.chat_template is None:
         raise protocol.invalid(f"the model `{ctx.model.model_id}` has no chat template, so it cannot take "
                                f"`{field}`: use /v1/completions with a `prompt`", field)
-    render = partial(tokenizer.render_chat, request.messages)
+    assert request.messages is not None
+    messages = [message if isinstance(message["content"], str) else
+                {**message, "content": _placeholder_text(ctx, protocol, message["content"], field, "\n")}
+                for message in request.messages]
+    render = partial(tokenizer.render_chat, messages)
     try:
         return await anyio.to_thread.run_sync(render)
     except TemplateError as exc:
@@ -149,15 +167,57 @@ async def _render_chat(ctx: ServerContext, protocol: Protocol, request: Inferenc
 async def resolve(ctx: ServerContext, protocol: Protocol, request: InferenceRequest) -> GenerationRequest:
     """The request as the pipeline takes it: the prompt tokenized (text) or rendered and tokenized without
     adding special tokens (messages: the template placed BOS if the model wants one, as transformers and vLLM
-    do), then :func:`resolve_ids`."""
+    do), then :func:`resolve_ids`; a multimodal prompt's media are read last (:func:`_media`)."""
     if request.token_ids is not None:
         return resolve_ids(ctx, protocol, request)
     if request.messages is not None:
         ids = await tokenize(ctx, await _render_chat(ctx, protocol, request), add_special_tokens=False)
+    elif request.parts is not None:
+        ids = await tokenize(ctx, _placeholder_text(ctx, protocol, request.parts, request.prompt_field))
     else:
         assert request.text is not None  # the model validator: exactly one prompt
         ids = await tokenize(ctx, request.text)
-    return resolve_ids(ctx, protocol, request, ids)
+    resolved = resolve_ids(ctx, protocol, request, ids)
+    if sources := request.media_sources:
+        resolved.media = await _media(ctx, protocol, request, sources, resolved.input_ids)
+    return resolved
+
+
+def _placeholder_text(ctx: ServerContext, protocol: Protocol, parts: list[str | MediaSource], field: str,
+                      separator: str = "") -> str:
+    """A multimodal prompt as one text, each media item as the model's placeholder token for its kind (the
+    worker's processor expands it into the item's features). A kind the model does not take is refused here,
+    before anything is read."""
+    texts: list[str] = []
+    for part in parts:
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        token = ctx.model.media_tokens.get(part.kind)
+        if token is None:
+            reason = (f"Ferry serves no {part.kind} input yet (images only)" if part.kind in ctx.model.declared_media
+                      else f"the model `{ctx.model.model_id}` takes no {part.kind} input")
+            raise protocol.invalid(f"{part.label}: {reason}", field)
+        texts.append(token.text)
+    return separator.join(texts)
+
+
+async def _media(ctx: ServerContext, protocol: Protocol, request: InferenceRequest, sources: list[MediaSource],
+                 ids: list[int]) -> list[MediaData]:
+    """The media items read (:class:`api.media.MediaLoader`), once the prompt holds exactly one placeholder
+    per item: a text that spells a placeholder itself, or a truncation that cut one, is refused."""
+    for kind, token in ctx.model.media_tokens.items():
+        wanted, found = sum(source.kind == kind for source in sources), ids.count(token.id)
+        if wanted != found:
+            raise protocol.invalid(
+                f"`{request.prompt_field}` holds {found} {kind} placeholder tokens ({token.text}) for {wanted} "
+                f"{kind} items: the text may not spell the placeholder, nor `truncate` cut an item",
+                request.prompt_field,
+            )
+    try:
+        return await ctx.media.load_all(sources)
+    except MediaRefused as exc:
+        raise protocol.invalid(str(exc), request.prompt_field) from None
 
 
 def resolve_ids(

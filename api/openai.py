@@ -144,7 +144,7 @@ async def to_chat_request(ctx: ServerContext, body: ChatCompletionRequest, reque
     """``/v1/chat/completions`` as a pipeline request for the model of ``ctx`` (:func:`model_context`): the
     messages go through the model's chat template; ``max_tokens`` defaults to maxIterTimes."""
     request = _inference_request(body, request_id, body.token_limit, None, prompt_field="messages",
-                                 messages=[m.for_template() for m in body.messages])
+                                 messages=[m.for_template(f"messages[{i}]") for i, m in enumerate(body.messages)])
     return await resolve(ctx, OPENAI, request)
 
 

@@ -28,8 +28,10 @@ from pydantic import (
     model_validator,
 )
 
+from api.media import MediaSource
 from api.pipeline import MAX_INPUT_CHARS, MAX_STOP_CHARS, MAX_STOP_ITEMS, check_text, validate_stop
 from api.ranges import in_range, stop_schema, text_json_schema
+from common.protocol import MediaKind
 
 OPENAI_MAX_STOP = 4  # OpenAI's cap on stop sequences, stricter than the pipeline's
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -232,13 +234,48 @@ class CompletionRequest(SamplingRequest):
         return v
 
 
+class MediaUrl(BaseModel):
+    """A content part's media source, ``{"url": ...}``: a path under multimodalInputDir, a file://, http(s):// or
+    (images) base64 JPEG data: URI. ``detail`` is accepted and ignored, as vLLM does: the model's processor sets
+    the resolution."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+MEDIA_PART_KINDS: dict[str, MediaKind] = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
+
+
+def _one_kind_of_part(schema: dict[str, Any]) -> None:
+    """A content part's JSON schema: its ``type``, and the field that type names, not null (as
+    ``ChatCompletionRequest._messages`` enforces)."""
+    schema["required"] = ["type"]
+    schema["oneOf"] = [
+        {"properties": {"type": {"const": kind}, kind: {"type": "string" if kind == "text" else "object"}},
+         "required": [kind]}
+        for kind in ("text", *MEDIA_PART_KINDS)
+    ]
+
+
 class ContentPart(BaseModel):
-    """One part of a message's content; only ``{"type": "text", "text": ...}`` is accepted."""
+    """One part of a message's content: ``{"type": "text", "text": ...}``, or a media item
+    ``{"type": "image_url", "image_url": {"url": ...}}`` (``video_url``, ``audio_url`` likewise; vLLM's names)."""
 
-    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=_required("text"))
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=_one_kind_of_part)
 
-    type: str = Field(json_schema_extra={"enum": ["text"]})
+    type: str = Field(json_schema_extra={"enum": ["text", *MEDIA_PART_KINDS]})
     text: str | None = None
+    image_url: MediaUrl | None = None
+    video_url: MediaUrl | None = None
+    audio_url: MediaUrl | None = None
+
+    def media(self, label: str) -> MediaSource | None:
+        """The part as a media item named ``label`` in errors; None for a text part."""
+        source = getattr(self, self.type, None) if self.type in MEDIA_PART_KINDS else None
+        return None if source is None else MediaSource(kind=MEDIA_PART_KINDS[self.type], source=source.url,
+                                                       label=f"`{label}` ({self.type})")
 
 
 class ChatMessage(BaseModel):
@@ -251,13 +288,18 @@ class ChatMessage(BaseModel):
 
     @property
     def text(self) -> str:
-        """The content as one string: text parts are joined with newlines (as vLLM does)."""
+        """The content's text: text parts are joined with newlines (as vLLM does); media parts hold none."""
         assert self.content is not None  # the request validator requires content
-        return self.content if isinstance(self.content, str) else "\n".join(p.text or "" for p in self.content)
+        return self.content if isinstance(self.content, str) else "\n".join(
+            p.text or "" for p in self.content if p.type == "text")
 
-    def for_template(self) -> dict[str, str]:
-        """The message as chat templates take it; ``developer`` (OpenAI's newer name) is ``system``."""
-        message = {"role": "system" if self.role == "developer" else self.role, "content": self.text}
+    def for_template(self, where: str) -> dict[str, Any]:
+        """The message as the pipeline takes it (``developer``, OpenAI's newer name, is ``system``): its content a
+        string, or with media the parts in order (texts, and media items named after ``where``)."""
+        content: str | list[str | MediaSource] = self.text
+        if isinstance(self.content, list) and any(part.type != "text" for part in self.content):
+            content = [part.media(f"{where}.content[{j}]") or part.text or "" for j, part in enumerate(self.content)]
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
         return message
@@ -302,11 +344,11 @@ class ChatCompletionRequest(SamplingRequest):
             if message.content is None:
                 raise ValueError(f"`{where}.content` is required")
             for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
-                if part.type != "text":
-                    raise ValueError(f"`{where}.content[{j}]` of type {part.type!r} is not supported: the served "
-                                     "model takes text only")
-                if part.text is None:
-                    raise ValueError(f"`{where}.content[{j}].text` is required")
+                if part.type not in ("text", *MEDIA_PART_KINDS):
+                    raise ValueError(f"`{where}.content[{j}]` of type {part.type!r} is not supported: content "
+                                     f"parts are text, {', '.join(MEDIA_PART_KINDS)}")
+                if getattr(part, part.type) is None:
+                    raise ValueError(f"`{where}.content[{j}].{part.type}` is required")
             check_text(f"{where}.content", message.text)
         total = sum(len(message.text) for message in v)
         if total > MAX_INPUT_CHARS:

@@ -22,9 +22,20 @@ from starlette.requests import Request
 
 from api.context import ServerContext
 from api.health import live_workers
+from api.media import MediaData
 from common import keys
 from common.logs import bind_request_id
-from common.protocol import Control, ErrorEvent, Finish, Job, SamplingParams, TokenEvent, TokenInfo, decode_event
+from common.protocol import (
+    Control,
+    ErrorEvent,
+    Finish,
+    Job,
+    MediaRef,
+    SamplingParams,
+    TokenEvent,
+    TokenInfo,
+    decode_event,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +67,7 @@ class GenerationRequest(BaseModel):
     input_ids: list[int] = Field(min_length=1)
     params: SamplingParams
     decoder_input_details: bool = False
+    media: list[MediaData] = Field(default_factory=list, description="read and checked, in placeholder order")
 
 
 class GenerationResult(BaseModel):
@@ -201,7 +213,7 @@ class Submission:
             try:
                 if self.finish is None:
                     await send_control(ctx, Control(request_id=self.job.request_id, action="cancel"))
-                await ctx.redis.delete(keys.inflight_key(model, self.request_id))
+                await ctx.redis.delete(keys.inflight_key(model, self.request_id), *(ref.key for ref in self.job.media))
             except RedisError:
                 log.warning("could not release request %s: Redis unreachable", self.request_id)
 
@@ -269,6 +281,8 @@ async def _queue(ctx: ServerContext, request: GenerationRequest) -> Submission:
         input_ids=request.input_ids,
         params=request.params,
         decoder_input_details=request.decoder_input_details,
+        media=[MediaRef(kind=item.kind, key=keys.media_key(ctx.model.model_id, job_id, index), size=len(item.data))
+               for index, item in enumerate(request.media)],
         enqueued_at=now,
         deadline=now + settings.e2e_timeout,
     )
@@ -287,7 +301,11 @@ async def _queue(ctx: ServerContext, request: GenerationRequest) -> Submission:
             await ctx.redis.delete(inflight)
             raise PipelineError(f"the queue of model {job.model} is full ({queued} requests, maxQueueSize "
                                 f"{settings.max_queue_size}); retry later", "overloaded")
-        await ctx.redis.xadd(stream, {keys.JOB_FIELD: job.model_dump_json()})
+        pipe = ctx.redis.pipeline(transaction=False)
+        for ref, item in zip(job.media, request.media):  # the bytes first: a worker may take the job at once
+            pipe.set(ref.key, item.data, ex=int(settings.e2e_timeout) + 60)
+        pipe.xadd(stream, {keys.JOB_FIELD: job.model_dump_json()})
+        await pipe.execute()
     except BaseException as exc:
         ctx.relay.release(job_id)
         if isinstance(exc, RedisError):

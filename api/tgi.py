@@ -40,6 +40,8 @@ from api.tgi_schemas import (
     TGIStreamResponse,
     TGIStreamToken,
     TGIToken,
+    TextItem,
+    prompt_parts,
 )
 from common.protocol import TokenEvent
 
@@ -89,12 +91,12 @@ async def to_generation_request(
     if stream and params.decoder_input_details:
         raise TGI.invalid("`decoder_input_details` == true is not supported when streaming tokens",
                           "decoder_input_details")
-    assert isinstance(body.inputs, str)  # the schema rejects list inputs for this text-only model
+    prompt = {"text": body.inputs} if isinstance(body.inputs, str) else {"parts": prompt_parts(body.inputs)}
     request = InferenceRequest.with_sampling(
         params,
         request_id=request_id,
         prompt_field="inputs",
-        text=body.inputs,
+        **prompt,
         truncate=params.truncate,
         do_sample=params.sampling,
         stop=params.stop or [],
@@ -104,7 +106,12 @@ async def to_generation_request(
 
 
 def _full_text(body: TGIRequest, generated: str) -> str:
-    return f"{body.inputs}{generated}" if body.parameters.return_full_text else generated
+    """``return_full_text``: the prompt's text (a list's text items), then the generated text."""
+    if not body.parameters.return_full_text:
+        return generated
+    prompt = body.inputs if isinstance(body.inputs, str) else "".join(
+        item.text for item in body.inputs if isinstance(item, TextItem))
+    return f"{prompt}{generated}"
 
 
 def _generate_response(body: TGIRequest, result: GenerationResult) -> TGIGenerateResponse:

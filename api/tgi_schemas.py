@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from api.pipeline import MAX_INPUT_CHARS, MAX_STOP_CHARS, MAX_STOP_ITEMS, check_text, validate_stop
 from api.ranges import in_range, stop_schema, text_schema
-from common.protocol import FinishReason
+from api.media import MediaSource
+from common.protocol import FinishReason, MediaKind
 
 UINT32_MAX_PARAM = 2147483647
 UINT64_MAX = 2**64 - 1
@@ -104,15 +105,70 @@ class TGIParameters(BaseModel):
         )
 
 
+class _InputItem(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class TextItem(_InputItem):
+    type: Literal["text"]
+    text: str = Field(max_length=MAX_INPUT_CHARS)
+
+
+MediaPath = Annotated[str, Field(min_length=1)]
+
+
+class MediaUrl(_InputItem):
+    """OpenAI's form of a media item's source, ``{"url": ...}``, taken beside the seed's plain string."""
+
+    url: MediaPath
+
+
+class ImageItem(_InputItem):
+    type: Literal["image_url"]
+    image_url: MediaPath | MediaUrl = Field(description="a path under multimodalInputDir, a file://, "
+                                      "http(s):// or base64 JPEG data: URI")
+
+
+class VideoItem(_InputItem):
+    type: Literal["video_url"]
+    video_url: MediaPath | MediaUrl = Field(description="a path under multimodalInputDir, a file:// or "
+                                      "http(s):// URI")
+
+
+class AudioItem(_InputItem):
+    type: Literal["audio_url"]
+    audio_url: MediaPath | MediaUrl = Field(description="a path under multimodalInputDir, a file:// or "
+                                      "http(s):// URI")
+
+
+InputItem = Annotated[TextItem | ImageItem | VideoItem | AudioItem, Field(discriminator="type")]
+MEDIA_ITEM_KINDS: dict[type[_InputItem], MediaKind] = {ImageItem: "image", VideoItem: "video", AudioItem: "audio"}
+
+
+def prompt_parts(items: list[InputItem]) -> list[str | MediaSource]:
+    """The list form as the pipeline's prompt parts: texts, and each media item with its source and name."""
+    parts: list[str | MediaSource] = []
+    for index, item in enumerate(items):
+        if isinstance(item, TextItem):
+            parts.append(item.text)
+        else:
+            source = getattr(item, item.type)
+            parts.append(MediaSource(kind=MEDIA_ITEM_KINDS[type(item)], label=f"`inputs[{index}]` ({item.type})",
+                                     source=source if isinstance(source, str) else source.url))
+    return parts
+
+
 class TGIRequest(BaseModel):
     """Body of ``POST /``, ``/generate`` and ``/generate_stream``."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    inputs: Annotated[
-        str | list[dict[str, Any]],
-        text_schema(MAX_INPUT_CHARS, "the prompt (the multimodal list form is refused: the served model is text-only)"),
-    ]
+    inputs: Annotated[str, text_schema(MAX_INPUT_CHARS, "a text prompt")] | Annotated[
+        list[InputItem], Field(min_length=1)
+    ] = Field(
+        description="the prompt: a text, or (a multimodal model) a list of text, image_url, video_url and audio_url "
+        "items, media in the order the model sees them"
+    )
     parameters: TGIParameters = Field(default_factory=TGIParameters, json_schema_extra=_null_allowed)
     stream: bool = Field(False, json_schema_extra=_null_allowed)
 
@@ -128,16 +184,14 @@ class TGIRequest(BaseModel):
 
     @field_validator("inputs")
     @classmethod
-    def _inputs(cls, v: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
-        if isinstance(v, list):
-            raise ValueError(
-                "`inputs` must be a string: the served model is text-only and takes no multimodal list input"
-            )
+    def _inputs(cls, v: str | list[InputItem]) -> str | list[InputItem]:
         if not v:
             raise ValueError("`inputs` cannot be empty")
-        check_text("inputs", v)
-        if len(v) > MAX_INPUT_CHARS:
-            raise ValueError(f"`inputs` must have at most {MAX_INPUT_CHARS} characters. Given: {len(v)}")
+        texts = [v] if isinstance(v, str) else [item.text for item in v if isinstance(item, TextItem)]
+        for text in texts:
+            check_text("inputs", text)
+        if (chars := sum(map(len, texts))) > MAX_INPUT_CHARS:
+            raise ValueError(f"`inputs` must have at most {MAX_INPUT_CHARS} characters. Given: {chars}")
         return v
 
 

@@ -185,6 +185,10 @@ class ApiTokenizer:
         """The text's token ids; ``add_special_tokens`` adds what the post-processor adds (BOS, EOS)."""
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def token_text(self, token_id: int) -> str | None:
+        """The text of one token of the vocabulary (a placeholder such as ``<image>``); None: no such id."""
+        return self._backend.id_to_token(token_id)
+
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """The messages rendered with the chat template, by default ending with the assistant's turn; raises
         :class:`jinja2.TemplateError` when the template fails or rejects them (its ``raise_exception``)."""

@@ -20,6 +20,10 @@
   request for an unknown id is answered 404. Its value is the job's id (the ``request_id`` of the
   :class:`common.protocol.Job`, which the control key, the control messages and the events channel use):
   the client's id plus a nonce, so nothing of an earlier request with the same client id reaches a new one.
+- ``ferry:{model}:media:{request_id}:{n}``: the bytes of the request's n-th media item (multimodal list
+  input), SET by the API pod before it queues the job (whose :class:`common.protocol.MediaRef` names the key)
+  and deleted by that pod when the request ends; its TTL (e2eTimeout + 60 s) removes it if the pod dies first.
+  Media never travels inside the job stream entry.
 - ``ferry:events:{api_id}:{request_id}``: the per-request pub/sub channel. Each API pod pattern-subscribes
   to ``ferry:events:{api_id}:*`` once at start-up, so it is subscribed to a request's channel before it
   queues the request's job and no first token can be missed.
@@ -72,6 +76,10 @@ def control_key(model: str, request_id: str) -> str:
 
 def inflight_key(model: str, request_id: str) -> str:
     return f"{PREFIX}:{model}:inflight:{request_id}"
+
+
+def media_key(model: str, request_id: str, index: int) -> str:
+    return f"{PREFIX}:{model}:media:{request_id}:{index}"
 
 
 def events_pattern(api_id: str) -> str:

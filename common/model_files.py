@@ -9,7 +9,10 @@ themselves, and every command the same one-line reason when a model cannot be ha
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
+from typing import Any
 
 from huggingface_hub import constants, hf_hub_download
 from huggingface_hub.errors import (
@@ -20,6 +23,8 @@ from huggingface_hub.errors import (
     LocalEntryNotFoundError,
     RepositoryNotFoundError,
 )
+
+from common.protocol import MediaKind
 
 
 class ModelUnavailable(RuntimeError):
@@ -63,3 +68,21 @@ def optional_model_file(model: Path, name: str) -> Path | None:
         return model_file(model, name)
     except ModelUnavailable:
         return None
+
+
+# Where a model's config.json names the placeholder token of each media kind (transformers 5 names, then older).
+MEDIA_TOKEN_KEYS: Mapping[MediaKind, tuple[str, ...]] = MappingProxyType({
+    "image": ("image_token_id", "image_token_index"),
+    "video": ("video_token_id", "video_token_index"),
+    "audio": ("audio_token_id", "audio_token_index", "audio_token_idx"),
+})
+
+
+def declared_media(config: dict[str, Any]) -> dict[MediaKind, int]:
+    """The media kinds a model's config (config.json as a dict) declares a placeholder token for, with its id."""
+    declared: dict[MediaKind, int] = {}
+    for kind, names in MEDIA_TOKEN_KEYS.items():
+        token_id = next((config[name] for name in names if isinstance(config.get(name), int)), None)
+        if token_id is not None:
+            declared[kind] = token_id
+    return declared

@@ -36,6 +36,18 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = Field(False, description="go on past the model's EOS tokens (to max_new_tokens)")
 
 
+MediaKind = Literal["image", "video", "audio"]
+
+
+class MediaRef(BaseModel):
+    """One media item of a multimodal job: its bytes wait in Redis under ``key`` (see
+    :func:`common.keys.media_key`), and the job's ``input_ids`` hold one placeholder token for it, in order."""
+
+    kind: MediaKind
+    key: str
+    size: int = Field(ge=0, description="bytes")
+
+
 class Job(BaseModel):
     """One generation request as queued in the model's job stream."""
 
@@ -45,6 +57,7 @@ class Job(BaseModel):
     input_ids: list[int] = Field(min_length=1)
     params: SamplingParams
     decoder_input_details: bool = Field(False, description="return log-probs of the prompt tokens")
+    media: list[MediaRef] = Field(default_factory=list, description="the media items, in placeholder order")
     enqueued_at: float = Field(description="unix time the API queued the job")
     deadline: float | None = Field(None, description="unix time after which nobody waits for the result")
 

@@ -234,6 +234,20 @@ class Settings(BaseSettings):
         **_spec("ServerConfig", "apiKeys", "API_KEYS"),
     )
 
+    # Multimodal inputs (SPEC.md "Multimodal input"; README "Multimodal inputs")
+    multimodal_input_dir: Path = Field(
+        Path("/data/multimodal_inputs/"), description="the only folder local media files are read from",
+        **_spec("ServerConfig", "multimodalInputDir", "MULTIMODAL_INPUT_DIR"),
+    )
+    allowed_media_domains: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="hosts http(s) media may be fetched from (comma separated); empty: none",
+        **_spec("ServerConfig", "allowedMediaDomains", "ALLOWED_MEDIA_DOMAINS_ENV"),
+    )
+    media_timeout: float = Field(
+        30.0, gt=0, description="seconds to connect to a media host, between two reads, and for a whole fetch",
+        **_spec("ServerConfig", "mediaTimeout", "MEDIA_TIMEOUT"),
+    )
+
     # Request limits (SPEC.md, section "Server configuration")
     max_iter_times: int = Field(512, gt=0, **_spec("ScheduleConfig", "maxIterTimes", "MAX_ITER_TIMES"))
     max_seq_len: int = Field(2048, gt=1, **_spec("ModelDeployConfig", "maxSeqLen", "MAX_SEQ_LEN"))
@@ -356,6 +370,14 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [key.strip() for key in value.split(",") if key.strip()]
         return value
+
+    @field_validator("allowed_media_domains", mode="before")
+    @classmethod
+    def _split_domains(cls, value: Any) -> Any:
+        """ALLOWED_MEDIA_DOMAINS_ENV is comma separated (the seed's form); hosts compare case-insensitively."""
+        if isinstance(value, str):
+            value = value.split(",")
+        return [host.strip().lower().rstrip(".") for host in value if host.strip()] if isinstance(value, list) else value
 
     @field_validator("models", mode="before")
     @classmethod

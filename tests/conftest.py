@@ -18,7 +18,7 @@ import httpx
 import pytest
 import redis
 
-from worker.tiny_model import CHAT_TEMPLATE, ensure_tiny_model  # the tiny model's template, for chat tests
+from worker.tiny_model import CHAT_TEMPLATE, ensure_tiny_model, make_tiny_vlm  # CHAT_TEMPLATE: for chat tests
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -27,6 +27,12 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The project's tiny Llama model, made once per test session."""
     return ensure_tiny_model(tmp_path_factory.getbasetemp() / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project's tiny LLaVA-style vision-language model (``ferry-tiny-model --kind vlm``), made once."""
+    return make_tiny_vlm(tmp_path_factory.getbasetemp() / "tiny-vlm")
 
 
 @pytest.fixture(scope="session")

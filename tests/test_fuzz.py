@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import fakeredis
+import PIL.Image
 import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
@@ -75,6 +76,30 @@ tgi_bodies = objects({
     "stream": maybe(st.booleans()),
 })
 
+# The multimodal list form: sources from the allowed one to every kind of refusal (no network is reached: no
+# host is listed in ALLOWED_MEDIA_DOMAINS_ENV), as the seed's string or OpenAI's {"url": ...}.
+media_paths = st.one_of(st.sampled_from([
+    "test.png", "notes.png", "missing.png", "../escape.png", "/etc/passwd", "file:///etc/passwd", "file://host/x",
+    "http://169.254.169.254/", "http://127.0.0.1.nip.io/a.png", "https://[::1]/a.png", "ftp://x/y.png", "",
+    "data:image/jpeg;base64,/9j/4AAQ", "data:image/png;base64,AAAA", "data:,", "\x00", "a\ud800",
+]), st.text(max_size=20))
+media_sources = st.one_of(media_paths, media_paths, objects({"url": maybe(media_paths), "detail": json_values}))
+well_formed_items = st.one_of(
+    st.builds(lambda text: {"type": "text", "text": text}, st.text(max_size=20)),
+    st.tuples(st.sampled_from(["image_url", "image_url", "video_url", "audio_url"]), media_sources).map(
+        lambda item: {"type": item[0], item[0]: item[1]}),
+)
+list_items = st.one_of(well_formed_items, well_formed_items, objects({
+    "type": maybe(st.sampled_from(["text", "image_url", "video_url", "audio_url", "picture"])),
+    "text": maybe(st.text(max_size=20)),
+    **{kind: maybe(media_sources) for kind in ("image_url", "video_url", "audio_url")},
+}))
+list_tgi_bodies = objects({
+    "inputs": maybe(st.lists(list_items, max_size=4)),
+    "parameters": st.one_of(st.just({"max_new_tokens": 4}), maybe(objects(parameter_values))),
+    "stream": maybe(st.booleans()),
+})
+
 token_ids = st.lists(st.integers(-2, 5000), max_size=6)
 tensors = objects({
     "name": maybe(st.just("input0")),
@@ -111,6 +136,21 @@ def client(tiny_model_path: Path) -> Iterator[TestClient]:
             yield c
 
 
+@pytest.fixture(scope="module")
+def vlm_client(tiny_vlm_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    """The app serving the tiny VLM, with an allowed folder holding one image and one text named ``.png``."""
+    media = tmp_path_factory.mktemp("fuzz-media")
+    with (media / "test.png").open("wb") as image:
+        PIL.Image.new("RGB", (8, 8), (200, 10, 10)).save(image, format="PNG")
+    (media / "notes.png").write_text("not an image")
+    settings = Settings(model_path=tiny_vlm_path, max_iter_times=512, multimodal_input_dir=media)
+    app = create_app(settings, redis=fakeredis.FakeAsyncRedis())
+    with pytest.MonkeyPatch.context() as patcher:
+        patch_submit(patcher, one_token_submit)
+        with TestClient(app, raise_server_exceptions=False) as c:
+            yield c
+
+
 def model(client: TestClient) -> str:
     return client.app.state.ctx.model.model_id
 
@@ -136,6 +176,12 @@ def encode(body: Any) -> bytes:
 @given(body=tgi_bodies, route=st.sampled_from(["/", "/generate", "/generate_stream"]))
 def test_tgi_routes_never_answer_5xx(client: TestClient, body: dict[str, Any], route: str) -> None:
     check(post(client, route, encode(body)), "tgi", body)
+
+
+@FUZZ
+@given(body=list_tgi_bodies, route=st.sampled_from(["/", "/generate", "/generate_stream"]))
+def test_the_multimodal_list_form_never_gets_a_5xx(vlm_client: TestClient, body: dict[str, Any], route: str) -> None:
+    check(post(vlm_client, route, encode(body)), "tgi", body)
 
 
 @FUZZ

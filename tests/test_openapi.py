@@ -45,6 +45,7 @@ UNSTATED_RULES = (
     "tokens. Given:",
     "`max_tokens` and `max_completion_tokens` disagree",
     "`decoder_input_details` == true is not supported when streaming tokens",
+    "` takes no ",  # a media kind the served model does not take (the document lists every kind)
 )
 
 

@@ -40,10 +40,10 @@ class ForwardArgs:
 
     def call(
         self, model: PreTrainedModel, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-        cache: DynamicCache, logits_to_keep: int | None = None,
+        cache: DynamicCache, logits_to_keep: int | None = None, extra_inputs: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The logits of one forward pass (``mask`` already in the form :attr:`mask_4d` says)."""
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = dict(extra_inputs or {})
         if self.position_ids:
             kwargs["position_ids"] = positions
         if self.logits_to_keep and logits_to_keep is not None:
@@ -79,8 +79,10 @@ class DecodeBatch:
         pad_id: int,
         prompt_details: Sequence[bool],
         forward: ForwardArgs,
+        extra_inputs: dict[str, torch.Tensor] | None = None,
     ) -> tuple["DecodeBatch", torch.Tensor, torch.Tensor, list[list[float] | None]]:
-        """Run the prompts through the model in one left-padded pass and choose each row's first token.
+        """Run the prompts through the model in one left-padded pass and choose each row's first token;
+        ``extra_inputs`` go to the model's forward too (the rows' media features, in row order).
 
         Returns the batch, the chosen ids and their logprobs, and for rows that asked for details the
         logprob of each prompt token after the first. Full-sequence logits are only materialised then.
@@ -93,7 +95,8 @@ class DecodeBatch:
         positions = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
         cache = DynamicCache()
         mask = _causal_mask(attention_mask) if forward.mask_4d else attention_mask
-        logits = forward.call(model, input_ids, mask, positions, cache, 0 if any(prompt_details) else 1)
+        logits = forward.call(model, input_ids, mask, positions, cache, 0 if any(prompt_details) else 1,
+                              extra_inputs)
         sampler = BatchSampler.create(params, prompts, logits.shape[-1], model.device)
         ids, logprobs = sampler(logits[:, -1, :])
         prompt_logprobs = [

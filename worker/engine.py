@@ -22,7 +22,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from common.protocol import ErrorEvent, Finish, FinishReason, Job, TokenEvent, TokenInfo
 from common.settings import EngineName, Settings
@@ -44,6 +44,11 @@ class EngineLoadError(RuntimeError):
     @classmethod
     def for_model(cls, path: object, exc: BaseException, what: str = "cannot load the model") -> "EngineLoadError":
         return cls(f"{what} at {path}: {' '.join(str(exc).split())}")
+
+
+class RequestRefused(ValueError):
+    """A job an engine refuses only when it is added: its media cannot be read, or the prompt they expand to
+    leaves the limits. The message says why; the client gets it as a validation error."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,8 @@ class RequestState:
     stop_ids: frozenset[int] = frozenset()  # the request's stop_token_ids
 
     prefill: list[TokenInfo] = field(default_factory=list)
+    # What the prefill passes to the model beside the ids: a multimodal job's tensors (e.g. pixel_values).
+    extra_inputs: dict[str, Any] = field(default_factory=dict)
     started_at: float = 0.0  # unix time of admission (the prefill), for the request's queue and inference times
 
     @property
@@ -180,8 +187,11 @@ class Engine(ABC):
         """Whether one more job could be added now without waiting behind the ones already added."""
 
     @abstractmethod
-    def add(self, job: Job) -> None:
-        """Queue a job (one without a :meth:`refusal`, and not known already) for the following steps."""
+    def add(self, job: Job, media: Sequence[bytes] = ()) -> None:
+        """Queue a job (one without a :meth:`refusal`, and not known already) for the following steps;
+        ``media[i]`` holds the bytes of ``job.media[i]``. Raises :class:`RequestRefused` for media the engine
+        cannot take, or a prompt they expand past the limits (the :meth:`refusal` of the placeholder prompt
+        is only a lower bound)."""
 
     @abstractmethod
     def cancel(self, request_id: str) -> bool:

@@ -37,7 +37,7 @@ from common.process import command_parser, freeze_startup_heap
 from common.protocol import Control, ErrorEvent, Job, WorkerStatus
 from common.settings import EngineName, Settings, settings_or_exit
 from worker.cpu_threads import place_worker_threads
-from worker.engine import Engine, EngineLoadError, StepOutput, load_engine
+from worker.engine import Engine, EngineLoadError, RequestRefused, StepOutput, load_engine
 from worker.metrics import WorkerMetrics
 
 log = logging.getLogger("ferry.worker")
@@ -252,8 +252,21 @@ class WorkerLoop:
         if control is not None and control.action == "cancel":
             self._ack_ids([message_id])
             return
+        media: list[bytes] = []
+        if job.media:
+            found = self.redis.mget([ref.key for ref in job.media])
+            if any(data is None for data in found):
+                self.fail([job], "the request's media are no longer in Redis (its API pod ended it)", "generation")
+                self._ack_ids([message_id])
+                return
+            media = found
+        try:
+            self.engine.add(job, media)
+        except RequestRefused as exc:
+            self.fail([job], f"request does not fit this worker: {exc}", "validation")
+            self._ack_ids([message_id])
+            return
         self._inflight[job.request_id] = Running(message_id, job, expires_at)
-        self.engine.add(job)
         if control is not None:
             self.apply_control(control)
 

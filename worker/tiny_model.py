@@ -4,7 +4,9 @@ No model can be downloaded where this project is built and tested, so it makes i
 tokenizer trained with ``tokenizers`` on ``data/corpus.txt`` (code, English and Chinese; the wheel ships it as
 package data), with a chat template, and a seeded, randomly initialised Llama model saved with
 ``save_pretrained``. Everything else loads the folder with the ordinary ``from_pretrained`` code, exactly as it
-would load a real model.
+would load a real model. ``--kind vlm`` makes a LLaVA-style vision-language model instead: a small CLIP vision
+tower and projector in front of the same tiny Llama, with a processor whose ``<image>`` token stands for
+:data:`VLM_IMAGE_TOKENS` image features.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from pathlib import Path
 
 CORPUS = Path(__file__).with_name("data") / "corpus.txt"
 BOS, EOS, UNK, PAD = "<s>", "</s>", "<unk>", "<pad>"
+IMAGE_TOKEN = "<image>"
+VLM_IMAGE_SIZE, VLM_PATCH_SIZE = 32, 8
+VLM_IMAGE_TOKENS = (VLM_IMAGE_SIZE // VLM_PATCH_SIZE) ** 2  # CLIP's patches; its CLS feature is dropped
 # ChatML-like, starting with BOS as Llama's templates do, so that the OpenAI chat routes serve the tiny model
 # out of the box. Its markers are plain text to this tokenizer: the vocabulary stays as trained.
 CHAT_TEMPLATE = (
@@ -25,8 +30,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def _train_tokenizer(vocab_size: int):
-    """Byte-level BPE with BOS/EOS, wrapped as a transformers fast tokenizer that adds BOS like Llama."""
+def _train_tokenizer(vocab_size: int, extra_special_tokens: dict[str, str] | None = None):
+    """Byte-level BPE with BOS/EOS, wrapped as a transformers fast tokenizer that adds BOS like Llama;
+    ``extra_special_tokens`` (name -> text, e.g. ``image_token``) are added after the trained vocabulary."""
     if not CORPUS.is_file():  # else the tokenizers library fails with a bare "No such file or directory"
         raise FileNotFoundError(
             f"the tokenizer's training text {CORPUS} is missing: this install of ferry-llm lacks its package data"
@@ -50,19 +56,15 @@ def _train_tokenizer(vocab_size: int):
     )
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, unk_token=UNK, pad_token=PAD,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=CHAT_TEMPLATE, extra_special_tokens=extra_special_tokens or {},
     )
 
 
-def make_tiny_model(out_dir: Path, *, vocab_size: int = 4096, seed: int = 0) -> Path:
-    """Write the tokenizer and model to ``out_dir`` (atomically: a half-written folder is never seen)."""
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+def _text_config(tokenizer):
+    """The tiny Llama's shape, for the text model and the VLM's language model alike."""
+    from transformers import LlamaConfig
 
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train_tokenizer(vocab_size)
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=128,
         intermediate_size=352,
@@ -78,15 +80,15 @@ def make_tiny_model(out_dir: Path, *, vocab_size: int = 4096, seed: int = 0) -> 
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
-    )
+
+
+def _save(out_dir: Path, *parts) -> Path:
+    """``save_pretrained`` each part into ``out_dir`` atomically: a half-written folder is never seen."""
+    out_dir = Path(out_dir)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     staging.chmod(0o755)
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
+    for part in parts:
+        part.save_pretrained(staging)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     try:
@@ -94,6 +96,67 @@ def make_tiny_model(out_dir: Path, *, vocab_size: int = 4096, seed: int = 0) -> 
     except OSError:  # another process finished the same folder first: keep theirs
         shutil.rmtree(staging, ignore_errors=True)
     return out_dir
+
+
+def make_tiny_model(out_dir: Path, *, vocab_size: int = 4096, seed: int = 0) -> Path:
+    """Write the tokenizer and model to ``out_dir``."""
+    import torch
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    Path(out_dir).parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = _train_tokenizer(vocab_size)
+    config = _text_config(tokenizer)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    )
+    return _save(out_dir, model, tokenizer)
+
+
+def make_tiny_vlm(out_dir: Path, *, vocab_size: int = 4096, seed: int = 0) -> Path:
+    """Write a LLaVA-style model (CLIP vision tower, projector, the tiny Llama) and its processor to
+    ``out_dir``: ``AutoProcessor`` and ``AutoModelForImageTextToText`` load it as they load LLaVA 1.5."""
+    import torch
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        GenerationConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    Path(out_dir).parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = _train_tokenizer(vocab_size, {"image_token": IMAGE_TOKEN})
+    text_config = _text_config(tokenizer)
+    vision_config = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        image_size=VLM_IMAGE_SIZE, patch_size=VLM_PATCH_SIZE, projection_dim=32,
+    )
+    config = LlavaConfig(
+        vision_config=vision_config, text_config=text_config, image_token_id=tokenizer.image_token_id,
+        vision_feature_select_strategy="default", vision_feature_layer=-1, image_seq_length=VLM_IMAGE_TOKENS,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=text_config.bos_token_id, eos_token_id=text_config.eos_token_id,
+        pad_token_id=text_config.pad_token_id,
+    )
+    image_processor = CLIPImageProcessor(
+        size={"shortest_edge": VLM_IMAGE_SIZE}, crop_size={"height": VLM_IMAGE_SIZE, "width": VLM_IMAGE_SIZE}
+    )
+    processor = LlavaProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, patch_size=VLM_PATCH_SIZE,
+        vision_feature_select_strategy="default", num_additional_image_tokens=1, image_token=IMAGE_TOKEN,
+        chat_template=CHAT_TEMPLATE,
+    )
+    return _save(out_dir, model, processor)
+
+
+KINDS = {"llm": make_tiny_model, "vlm": make_tiny_vlm}
 
 
 def ensure_tiny_model(out_dir: Path) -> Path:
@@ -107,11 +170,13 @@ def ensure_tiny_model(out_dir: Path) -> Path:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path, help="folder to write the model to")
+    parser.add_argument("--kind", choices=list(KINDS), default="llm",
+                        help="llm: a causal LM (default); vlm: a LLaVA-style vision-language model")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-size", type=int, default=4096)
     args = parser.parse_args(argv)
     try:
-        path = make_tiny_model(args.out_dir, vocab_size=args.vocab_size, seed=args.seed)
+        path = KINDS[args.kind](args.out_dir, vocab_size=args.vocab_size, seed=args.seed)
     except FileNotFoundError as exc:
         parser.exit(1, f"{parser.prog}: {exc}\n")
     print(path)

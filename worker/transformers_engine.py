@@ -14,9 +14,17 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from common.model_files import ModelUnavailable, model_file
 from common.protocol import ErrorEvent, Job, TokenEvent
@@ -24,10 +32,12 @@ from common.settings import Settings
 from worker.attention import use_padded_attention
 from worker.batch import DecodeBatch, ForwardArgs
 from worker.cpu_linear import use_packed_linear
+from worker.media import MediaProcessor, concatenate
 from worker.detokenizer import make_decoder
 from worker.engine import (
     Engine,
     EngineLoadError,
+    RequestRefused,
     RequestState,
     StepOutput,
     eos_token_ids,
@@ -42,19 +52,22 @@ log = logging.getLogger("ferry.engine")
 class TransformersEngine(Engine):
     """Runs many generation requests as one batch; see the module docstring."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, settings: Settings) -> None:
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, settings: Settings,
+                 media: MediaProcessor | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.settings = settings
+        self.media = media  # a multimodal model's processor; None: the model takes text only
         self._decode = make_decoder(tokenizer)
         self._eos_ids = eos_token_ids(getattr(model, "generation_config", None), model.config)
         self._special_ids = frozenset(tokenizer.all_special_ids)
         self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self._vocab_size = model.config.vocab_size
+        text_config = model.config.get_text_config(decoder=True)
+        self._vocab_size = text_config.vocab_size
         self._forward = ForwardArgs.of(model)
         limits = [settings.max_seq_len, settings.max_batch_total_tokens]
-        if getattr(model.config, "max_position_embeddings", None):
-            limits.append(model.config.max_position_embeddings)
+        if getattr(text_config, "max_position_embeddings", None):
+            limits.append(text_config.max_position_embeddings)
         self.max_total_tokens = min(limits)  # prompt + generated of one request
         self._waiting: deque[RequestState] = deque()
         self._running: list[RequestState] = []  # row order of self._batch
@@ -95,7 +108,11 @@ class TransformersEngine(Engine):
         started = time.monotonic()
         dtype = settings.dtype if settings.dtype == "auto" else getattr(torch, settings.dtype)
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, trust_remote_code=remote)
+            config = AutoConfig.from_pretrained(str(path), trust_remote_code=remote)
+            media = MediaProcessor.load(path, config, remote)
+            # A vision-language model (its config declares an image token) loads as image-text-to-text.
+            auto_class = AutoModelForCausalLM if media is None else AutoModelForImageTextToText
+            model = auto_class.from_pretrained(str(path), config=config, dtype=dtype, trust_remote_code=remote)
             tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=remote)
         except (OSError, ValueError, ImportError) as exc:
             raise EngineLoadError.for_model(path, exc) from None
@@ -107,7 +124,7 @@ class TransformersEngine(Engine):
         use_packed_linear(model)
         log.info("loaded the model at %s in %.1f s (dtype %s, device %s)", path, time.monotonic() - started,
                  str(model.dtype).removeprefix("torch."), device)
-        return cls(model, tokenizer, settings)
+        return cls(model, tokenizer, settings, media)
 
     # -- admission ---------------------------------------------------------------------------------
 
@@ -127,13 +144,27 @@ class TransformersEngine(Engine):
             and sum(seq.reserved_tokens for seq in sequences) < self.settings.max_batch_total_tokens
         )
 
-    def add(self, job: Job) -> None:
-        """Queue a job for admission at a following step."""
-        if (reason := self.refusal(job)) is not None:
-            raise ValueError(f"request {job.request_id}: {reason}")
+    def add(self, job: Job, media: Sequence[bytes] = ()) -> None:
+        """Queue a job for admission at a following step; a multimodal one with its prompt expanded by the
+        model's processor (:mod:`worker.media`), which is what its limits then apply to."""
         if self._knows(job.request_id):
             raise ValueError(f"request {job.request_id} is already queued or running")
-        self._waiting.append(new_request_state(job, self._decode, self.max_total_tokens))
+        inputs = None
+        if job.media:
+            if self.media is None:
+                raise RequestRefused("the served model takes no media input")
+            inputs = self.media.expand(job, media)
+            job = job.model_copy(update={"input_ids": inputs.input_ids})
+            if (reason := self.refusal(job)) is not None:
+                raise RequestRefused(f"with its media expanded, {reason}")
+        elif (reason := self.refusal(job)) is not None:
+            raise ValueError(f"request {job.request_id}: {reason}")
+        state = new_request_state(job, self._decode, self.max_total_tokens)
+        if inputs is not None:
+            model = self.model
+            state.extra_inputs = {name: value.to(model.device, model.dtype if value.is_floating_point() else None)
+                                  for name, value in inputs.tensors.items()}
+        self._waiting.append(state)
 
     def cancel(self, request_id: str) -> bool:
         """Drop a queued or running request at the next step (it gets no further event)."""
@@ -245,7 +276,10 @@ class TransformersEngine(Engine):
             self._pad_id,
             [job.decoder_input_details for job in jobs],
             self._forward,
+            concatenate([seq.extra_inputs for seq in sequences]),
         )
+        for seq in sequences:
+            seq.extra_inputs = {}  # the features are in the cache now
         for seq, scores in zip(sequences, prompt_logprobs):
             if scores is not None:
                 seq.prefill = prompt_details(self.tokenizer, seq.job.input_ids, scores, self._special_ids)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from common.model_files import ModelUnavailable, model_file
@@ -40,6 +41,7 @@ from worker.detokenizer import make_decoder
 from worker.engine import (
     Engine,
     EngineLoadError,
+    RequestRefused,
     RequestState,
     StepOutput,
     eos_token_ids,
@@ -143,7 +145,10 @@ class VllmEngine(Engine):
         (vLLM's ``max_num_seqs``), so the rest wait in the job stream where any worker can take them."""
         return len(self._requests) < self.settings.max_batch_size
 
-    def add(self, job: Job) -> None:
+    def add(self, job: Job, media: Sequence[bytes] = ()) -> None:
+        if media:
+            raise RequestRefused("the vllm engine takes no media input in this version; serve multimodal models "
+                                 "with the transformers engine")
         if (reason := self.refusal(job)) is not None:
             raise ValueError(f"request {job.request_id}: {reason}")
         if job.request_id in self._requests:
