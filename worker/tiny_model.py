@@ -56,7 +56,10 @@ def _train_tokenizer(vocab_size: int, extra_special_tokens: dict[str, str] | Non
     )
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, unk_token=UNK, pad_token=PAD,
-        chat_template=CHAT_TEMPLATE, extra_special_tokens=extra_special_tokens or {},
+        chat_template=CHAT_TEMPLATE,
+        # only when there are some: an empty list saved in tokenizer_config.json would hide a folder's
+        # special_tokens_map.json additional_special_tokens from transformers
+        **({"extra_special_tokens": extra_special_tokens} if extra_special_tokens else {}),
     )
 
 
