@@ -364,8 +364,10 @@ def ferry_served(cfg: Config, redis_url: str, engine: str) -> Iterator[Side]:
         worker_env |= {"VLLM_ENGINE_ARGS": json.dumps(cfg.engine_args), "VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib)}
     elif cfg.bind == "vllm":
         worker_env |= omp_bind_env(cfg.bind_cpus)
-    elif cfg.bind == "none":
-        worker_env["CPU_THREADS_BIND"] = "nobind"  # "auto": the worker binds itself, to cfg.bind_cpus
+    elif cfg.bind == "none":  # one torch thread, placed by the scheduler
+        worker_env |= {"CPU_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+    else:  # "auto": the worker binds itself, to cfg.bind_cpus
+        worker_env["CPU_THREADS_BIND"] = "auto"
     api_env = {"MAX_SEQ_LEN": str(MAX_MODEL_LEN)}
     with deploy(redis_url, cfg.model, cfg.log_dir / f"ferry-{engine}", worker_env=worker_env,
                 api_env=api_env) as deployment:

@@ -139,7 +139,9 @@ def deploy(
 
     stack = Stack("", model_name, redis_url, env, processes)
     try:
-        worker_pids = [start(f"worker{i}", [sys.executable, *worker_cmd], {"OMP_NUM_THREADS": "1", **(worker_env or {})},
+        # one torch thread per worker (see the module docstring), unless the worker is told to place its threads
+        threads = {} if "CPU_THREADS_BIND" in (worker_env or {}) else {"OMP_NUM_THREADS": "1"}
+        worker_pids = [start(f"worker{i}", [sys.executable, *worker_cmd], {**threads, **(worker_env or {})},
                              worker_cpus).pid for i in range(workers)]
         api_pids = []
         for i in range(apis):
