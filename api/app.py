@@ -7,6 +7,7 @@ under ``/v2``, TGI's elsewhere (the routes themselves answer through :func:`api.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -16,13 +17,16 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.openapi.utils import get_openapi
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 
-from api import __version__, kserve, openai, ops, tgi
+from api import __version__, adapters, kserve, openai, ops, tgi
 from api.context import ModelInfo, ServerContext
 from api.errors import ProtocolError
 from api.relay import EventRelay
 from common.settings import Settings
+
+log = logging.getLogger(__name__)
 
 # The pod's requests share these Redis connections. redis-py's default pool fails a command with "Too many
 # connections" once 100 are in use (a burst of over 100 simultaneous requests); this one waits for a free one.
@@ -98,6 +102,10 @@ def create_app(settings: Settings, redis: Redis | None = None) -> FastAPI:
         app.state.ctx = ServerContext(
             settings=settings, redis=client, relay=relay, model=default, api_id=api_id, models=models,
         )
+        try:
+            await adapters.register_configured(app.state.ctx)
+        except RedisError as exc:  # requests for them are refused until a pod registers them
+            log.error("could not register the configured LoRA adapters: Redis unreachable (%s)", exc)
         try:
             yield
         finally:

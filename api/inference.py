@@ -105,13 +105,14 @@ class InferenceRequest(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     decoder_input_details: bool = False
+    adapter: str | None = Field(None, description="the LoRA adapter's name; None: the base model")
 
     @classmethod
     def with_sampling(cls, params: BaseModel, **fields: Any) -> "InferenceRequest":
         """A request taking the sampling fields ``params`` has under this model's names (TGI's and KServe's
         parameters do), plus ``fields``."""
         sent = {name: getattr(params, name) for name in SAMPLING_FIELDS if hasattr(params, name)}
-        return cls(**sent, **fields)
+        return cls(**sent, adapter=getattr(params, "adapter_id", None), **fields)
 
     @property
     def media_sources(self) -> list[MediaSource]:
@@ -242,6 +243,7 @@ def resolve_ids(
         input_ids=ids,
         params=_sampling(ctx, protocol, request),
         decoder_input_details=request.decoder_input_details,
+        adapter=request.adapter,
     )
 
 

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from api.pipeline import (
+    validate_adapter_id,
     MAX_INPUT_CHARS,
     MAX_STOP_CHARS,
     MAX_STOP_ITEMS,
@@ -27,6 +28,7 @@ from api.pipeline import (
     validate_stop,
 )
 from api.ranges import in_range, stop_schema, text_schema
+from common.protocol import ADAPTER_NAME_PATTERN
 
 INPUT_NAME = "input0"
 OUTPUT_NAME = "output0"
@@ -66,6 +68,10 @@ class SamplingParameters(BaseModel):
         float | None, in_range("`repetition_penalty` must be strictly positive. Given: {v}", gt=0.0)
     ] = None
     max_new_tokens: Annotated[int | None, in_range("`max_new_tokens` must be strictly positive. Given: {v}", gt=0)] = None
+    adapter_id: str | None = Field(None, json_schema_extra={"pattern": ADAPTER_NAME_PATTERN},
+                                   description="the LoRA adapter to run with; \"None\": the base model")
+
+    _adapter_id = field_validator("adapter_id")(staticmethod(validate_adapter_id))
 
 
 P = TypeVar("P", bound=SamplingParameters)

@@ -69,9 +69,13 @@ class ApiMetrics:
             DURATION_BUCKETS,
         )
         self.last_request_end = gauge("ferry_last_request_timestamp_seconds", "Unix time the last request ended")
+        self.adapter_count = Counter("ferry_lora_request_count", "Requests queued with a LoRA adapter",
+                                     ["model", "adapter"], registry=registry)
 
-    def request_queued(self, model: str, input_length: int, max_new_tokens: int) -> None:
+    def request_queued(self, model: str, input_length: int, max_new_tokens: int, adapter: str | None = None) -> None:
         self.count.labels(model).inc()
+        if adapter is not None:
+            self.adapter_count.labels(model, adapter).inc()
         self.input_length.labels(model).observe(input_length)
         self.max_new_tokens.labels(model).observe(max_new_tokens)
 

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 
+from api import adapters
 from api.context import ModelInfo, ServerContext, get_ctx
 from api.errors import ProtocolError, error_route_class
 from api.openai_schemas import (
@@ -41,12 +42,14 @@ from api.openai_schemas import (
     Completion,
     CompletionChoice,
     CompletionRequest,
+    LoadLoraAdapterRequest,
     ModelCard,
     ModelList,
     OpenAIError,
     OpenAIErrorResponse,
     OpenAIFinishReason,
     SamplingRequest,
+    UnloadLoraAdapterRequest,
     Usage,
 )
 from api.inference import REST_STATUSES, InferenceRequest, Protocol, generate, new_request_id, resolve, submit
@@ -91,21 +94,25 @@ STREAM_RESPONSE = {"content": {"text/event-stream": {}},
 Ctx = Annotated[ServerContext, Depends(get_ctx)]
 
 
-def _unknown_model(ctx: ServerContext, model: str) -> ProtocolError:
+def _unknown_model(ctx: ServerContext, model: str, param: str = "model") -> ProtocolError:
     served = ", ".join(f"`{name}`" for name in ctx.models)
     return ProtocolError(404, f"The model `{model}` does not exist: this server serves {served}.", "model_not_found",
-                         "model")
+                         param)
 
 
-def model_context(ctx: ServerContext, model: str) -> ServerContext:
-    """The context of the model a request names: with one model served, any name is that model (TGI ignores
-    the name: ``huggingface_hub`` sends ``"dummy"``); with several, a name the pod does not serve is 404."""
-    if len(ctx.models) == 1:
-        return ctx
+async def model_context(ctx: ServerContext, model: str) -> tuple[ServerContext, str | None]:
+    """The context of the model a request names, and the LoRA adapter when the name is one (vLLM selects
+    adapters by ``model``). With one model served, any other name is that model (TGI ignores the name:
+    ``huggingface_hub`` sends ``"dummy"``); with several, a name that is neither is 404."""
     named = ctx.for_model(model)
-    if named is None:
-        raise _unknown_model(ctx, model)
-    return named
+    if named is not None:
+        return named, None
+    adapted = await adapters.model_of(ctx, model)
+    if adapted is not None:
+        return adapted, model
+    if len(ctx.models) == 1:
+        return ctx, None
+    raise _unknown_model(ctx, model)
 
 
 def _inference_request(body: SamplingRequest, request_id: str, max_tokens: int | None, default_max_tokens: int | None,
@@ -132,18 +139,22 @@ def _inference_request(body: SamplingRequest, request_id: str, max_tokens: int |
     )
 
 
-async def to_completion_request(ctx: ServerContext, body: CompletionRequest, request_id: str) -> GenerationRequest:
-    """``/v1/completions`` as a pipeline request for the model of ``ctx`` (:func:`model_context`)."""
+async def to_completion_request(ctx: ServerContext, body: CompletionRequest, request_id: str,
+                                adapter: str | None = None) -> GenerationRequest:
+    """``/v1/completions`` as a pipeline request for the model of ``ctx`` and its ``adapter``
+    (:func:`model_context`)."""
     prompt = {"text": body.prompt} if isinstance(body.prompt, str) else {"token_ids": body.prompt}
     request = _inference_request(body, request_id, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS,
-                                 prompt_field="prompt", **prompt)
+                                 prompt_field="prompt", adapter=adapter, **prompt)
     return await resolve(ctx, OPENAI, request)
 
 
-async def to_chat_request(ctx: ServerContext, body: ChatCompletionRequest, request_id: str) -> GenerationRequest:
-    """``/v1/chat/completions`` as a pipeline request for the model of ``ctx`` (:func:`model_context`): the
-    messages go through the model's chat template; ``max_tokens`` defaults to maxIterTimes."""
-    request = _inference_request(body, request_id, body.token_limit, None, prompt_field="messages",
+async def to_chat_request(ctx: ServerContext, body: ChatCompletionRequest, request_id: str,
+                          adapter: str | None = None) -> GenerationRequest:
+    """``/v1/chat/completions`` as a pipeline request for the model of ``ctx`` and its ``adapter``
+    (:func:`model_context`): the messages go through the model's chat template; ``max_tokens`` defaults to
+    maxIterTimes."""
+    request = _inference_request(body, request_id, body.token_limit, None, prompt_field="messages", adapter=adapter,
                                  messages=[m.for_template(f"messages[{i}]") for i, m in enumerate(body.messages)])
     return await resolve(ctx, OPENAI, request)
 
@@ -256,34 +267,86 @@ async def _respond(
 @router.post("/completions", responses={**ERROR_RESPONSES, 200: {"model": Completion, **STREAM_RESPONSE}})
 async def completions(body: CompletionRequest, ctx: Ctx, http: Request) -> Response:
     """Text completion of one prompt (a string or token ids)."""
-    ctx = model_context(ctx, body.model)
-    shape = CompletionShape(id=f"cmpl-{new_request_id()}", created=int(time.time()), model=ctx.model.model_id)
-    return await _respond(ctx, body, await to_completion_request(ctx, body, shape.id), shape, http)
+    ctx, adapter = await model_context(ctx, body.model)
+    shape = CompletionShape(id=f"cmpl-{new_request_id()}", created=int(time.time()), model=adapter or ctx.model.model_id)
+    return await _respond(ctx, body, await to_completion_request(ctx, body, shape.id, adapter), shape, http)
 
 
 @router.post("/chat/completions", responses={**ERROR_RESPONSES, 200: {"model": ChatCompletion, **STREAM_RESPONSE}})
 async def chat_completions(body: ChatCompletionRequest, ctx: Ctx, http: Request) -> Response:
     """The assistant's reply to the messages, rendered with the model's chat template."""
-    ctx = model_context(ctx, body.model)
-    shape = ChatShape(id=f"chatcmpl-{new_request_id()}", created=int(time.time()), model=ctx.model.model_id)
-    return await _respond(ctx, body, await to_chat_request(ctx, body, shape.id), shape, http)
+    ctx, adapter = await model_context(ctx, body.model)
+    shape = ChatShape(id=f"chatcmpl-{new_request_id()}", created=int(time.time()), model=adapter or ctx.model.model_id)
+    return await _respond(ctx, body, await to_chat_request(ctx, body, shape.id, adapter), shape, http)
 
 
 def _model_card(model: ModelInfo) -> ModelCard:
     """A served model; ``created`` is when its weights' config was written."""
     created = int((model.path / "config.json").stat().st_mtime)
-    return ModelCard(id=model.model_id, created=created, owned_by=OWNED_BY)
+    return ModelCard(id=model.model_id, created=created, owned_by=OWNED_BY, root=str(model.path))
+
+
+async def _cards(ctx: ServerContext) -> list[ModelCard]:
+    """Every served model, each followed by its LoRA adapters (``parent``: the model, ``root``: the adapter's
+    folder, as vLLM lists them)."""
+    cards = []
+    for name, model in ctx.models.items():
+        base = _model_card(model)
+        adapted = await adapters.registered(ctx.for_model(name) or ctx)
+        cards += [base, *(ModelCard(id=adapter, created=base.created, owned_by=OWNED_BY, root=path, parent=name)
+                          for adapter, path in sorted(adapted.items()))]
+    return cards
 
 
 @router.get("/models", response_model=ModelList)
 async def list_models(ctx: Ctx) -> ModelList:
-    """Every model the pod serves, the default one first."""
-    return ModelList(data=[_model_card(model) for model in ctx.models.values()])
+    """Every model the pod serves, the default one first, each followed by its LoRA adapters."""
+    return ModelList(data=await _cards(ctx))
 
 
 @router.get("/models/{model:path}", response_model=ModelCard, responses={404: ERROR_RESPONSES[404]})
 async def retrieve_model(model: str, ctx: Ctx) -> ModelCard:
-    """A served model by its exact name (a lookup, unlike inference, takes no stand-in name)."""
-    if model not in ctx.models:
+    """A served model or adapter by its exact name (a lookup, unlike inference, takes no stand-in name)."""
+    card = next((card for card in await _cards(ctx) if card.id == model), None)
+    if card is None:
         raise _unknown_model(ctx, model)
-    return _model_card(ctx.models[model])
+    return card
+
+
+# -- LoRA adapters at run time (vLLM's routes; MindIE serves the same) ---------------------------------------
+
+
+ADAPTER_RESPONSES = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "done"},
+                     400: ERROR_RESPONSES[400], 404: ERROR_RESPONSES[404]}
+
+
+def _master(ctx: ServerContext, model: str | None) -> ServerContext:
+    named = ctx if model is None else ctx.for_model(model)
+    if named is None:
+        raise _unknown_model(ctx, model or "", "master_model")
+    return named
+
+
+@router.post("/load_lora_adapter", response_model=None, responses=ADAPTER_RESPONSES)
+async def load_lora_adapter(body: LoadLoraAdapterRequest, ctx: Ctx) -> PlainTextResponse:
+    """Serve one more LoRA adapter for a model, from now on, on every worker of that model (a worker loads it
+    from its folder at the first request for it)."""
+    model = _master(ctx, body.master_model)
+    name = body.lora_name
+    if (why := adapters.folder_refusal(body.lora_path)) is not None:
+        raise ProtocolError(400, f"The lora adapter `{name}` cannot be loaded: {why}", "validation", "lora_path")
+    if name in ctx.models:
+        raise ProtocolError(400, f"The lora adapter name `{name}` is a served model's name.", "validation",
+                            "lora_name")
+    if not await adapters.add(model, name, body.lora_path):
+        raise ProtocolError(400, f"The lora adapter `{name}` has already been loaded.", "validation", "lora_name")
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+@router.post("/unload_lora_adapter", response_model=None, responses=ADAPTER_RESPONSES)
+async def unload_lora_adapter(body: UnloadLoraAdapterRequest, ctx: Ctx) -> PlainTextResponse:
+    """Stop serving a LoRA adapter: new requests for it are refused at once; the workers free it when the
+    requests running with it have finished."""
+    if not await adapters.remove(_master(ctx, body.master_model), body.lora_name):
+        raise ProtocolError(404, f"The lora adapter `{body.lora_name}` cannot be found.", "not_found", "lora_name")
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

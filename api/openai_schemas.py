@@ -31,7 +31,7 @@ from pydantic import (
 from api.media import MediaSource
 from api.pipeline import MAX_INPUT_CHARS, MAX_STOP_CHARS, MAX_STOP_ITEMS, check_text, validate_stop
 from api.ranges import in_range, stop_schema, text_json_schema
-from common.protocol import MediaKind
+from common.protocol import ADAPTER_NAME_PATTERN, MediaKind
 
 OPENAI_MAX_STOP = 4  # OpenAI's cap on stop sequences, stricter than the pipeline's
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -482,6 +482,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str
+    root: str | None = Field(None, description="the weights' folder (an adapter's: its peft folder)")
+    parent: str | None = Field(None, description="a LoRA adapter's base model; null for a model")
 
 
 class ModelList(BaseModel):
@@ -498,3 +500,22 @@ class OpenAIError(BaseModel):
 
 class OpenAIErrorResponse(BaseModel):
     error: OpenAIError
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """Body of ``POST /v1/load_lora_adapter``."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    lora_name: str = Field(pattern=ADAPTER_NAME_PATTERN, description="the name requests select it by")
+    lora_path: str = Field(min_length=1, description="the peft adapter folder, at the same path on every worker")
+    master_model: str | None = Field(None, description="the served model it adapts; default: the default model")
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """Body of ``POST /v1/unload_lora_adapter``."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    lora_name: str = Field(min_length=1)
+    master_model: str | None = None

@@ -26,6 +26,9 @@ from api.media import MediaData
 from common import keys
 from common.logs import bind_request_id
 from common.protocol import (
+    ADAPTER_NAME_PATTERN,
+    ADAPTER_NAME_RULE,
+    AdapterRef,
     Control,
     ErrorEvent,
     Finish,
@@ -68,6 +71,7 @@ class GenerationRequest(BaseModel):
     params: SamplingParams
     decoder_input_details: bool = False
     media: list[MediaData] = Field(default_factory=list, description="read and checked, in placeholder order")
+    adapter: str | None = Field(None, description="the LoRA adapter's name; None: the base model")
 
 
 class GenerationResult(BaseModel):
@@ -85,6 +89,19 @@ def check_text(field: str, value: str) -> str:
         value.encode("utf-8")
     except UnicodeEncodeError:
         raise ValueError(f"`{field}` must be valid Unicode text: it contains an unpaired surrogate") from None
+    return value
+
+
+NO_ADAPTER = "None"  # SPEC.md: adapter_id's default, the base model
+
+
+def validate_adapter_id(value: str | None) -> str | None:
+    """``adapter_id`` as TGI and KServe take it: None (unset, or the seed's "None") for the base model, else a
+    name in the adapter name rule; whether it is loaded is the pipeline's check."""
+    if value is None or value == NO_ADAPTER:
+        return None
+    if not re.match(ADAPTER_NAME_PATTERN, value):
+        raise ValueError(f"`adapter_id` must be {ADAPTER_NAME_RULE}. Given: {value!r}")
     return value
 
 
@@ -253,15 +270,31 @@ async def submit(ctx: ServerContext, request: GenerationRequest) -> Submission:
     except PipelineError as exc:
         ctx.metrics.request_refused(model, exc.error_type)
         raise
-    ctx.metrics.request_queued(model, len(request.input_ids), request.params.max_new_tokens)
+    ctx.metrics.request_queued(model, len(request.input_ids), request.params.max_new_tokens, request.adapter)
+    if request.adapter is not None:
+        log.info("queued with the LoRA adapter %s", request.adapter)
     return submission
+
+
+def _refusal(ctx: ServerContext, request: GenerationRequest, queued: int,
+             adapter_path: list[bytes | None]) -> PipelineError | None:
+    """Why the model cannot take the request now: a full queue, or a LoRA adapter it does not have."""
+    model = ctx.model.model_id
+    if queued >= ctx.settings.max_queue_size:
+        return PipelineError(f"the queue of model {model} is full ({queued} requests, maxQueueSize "
+                             f"{ctx.settings.max_queue_size}); retry later", "overloaded")
+    if adapter_path and adapter_path[0] is None:
+        return PipelineError(f"the LoRA adapter `{request.adapter}` is not loaded for model `{model}` (configure it "
+                             "in loraModules or load it with POST /v1/load_lora_adapter)", "validation")
+    return None
 
 
 async def _queue(ctx: ServerContext, request: GenerationRequest) -> Submission:
     """Check the pod's and the queue's limits, then queue the request's job.
 
     Raises :class:`PipelineError`: ``overloaded`` past maxLinkNum requests on this pod or maxQueueSize jobs
-    queued or running for the model, ``validation`` for a request id already in flight, ``unavailable``
+    queued or running for the model, ``validation`` for a request id already in flight or a LoRA adapter the
+    model does not have, ``unavailable``
     when Redis cannot be reached. The relay is listening before the job is queued.
     """
     settings = ctx.settings
@@ -294,13 +327,17 @@ async def _queue(ctx: ServerContext, request: GenerationRequest) -> Submission:
         pipe = ctx.redis.pipeline(transaction=False)
         pipe.set(inflight, job_id, nx=True, ex=int(settings.e2e_timeout) + 60)
         pipe.xlen(stream)
-        fresh, queued = await pipe.execute()
+        if request.adapter is not None:
+            pipe.hget(keys.adapters_key(job.model), request.adapter)
+        fresh, queued, *adapter_path = await pipe.execute()
         if not fresh:
             raise PipelineError(f"a request with id '{request.request_id}' is already in flight", "validation")
-        if queued >= settings.max_queue_size:
+        refusal = _refusal(ctx, request, queued, adapter_path)
+        if refusal is not None:
             await ctx.redis.delete(inflight)
-            raise PipelineError(f"the queue of model {job.model} is full ({queued} requests, maxQueueSize "
-                                f"{settings.max_queue_size}); retry later", "overloaded")
+            raise refusal
+        if request.adapter is not None:
+            job.adapter = AdapterRef(name=request.adapter, path=adapter_path[0].decode())
         pipe = ctx.redis.pipeline(transaction=False)
         for ref, item in zip(job.media, request.media):  # the bytes first: a worker may take the job at once
             pipe.set(ref.key, item.data, ex=int(settings.e2e_timeout) + 60)

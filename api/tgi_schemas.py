@@ -6,20 +6,24 @@ rules that need the tokenizer or server limits live in :mod:`api.inference`.
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from api.pipeline import MAX_INPUT_CHARS, MAX_STOP_CHARS, MAX_STOP_ITEMS, check_text, validate_stop
+from api.pipeline import (
+    MAX_INPUT_CHARS,
+    MAX_STOP_CHARS,
+    MAX_STOP_ITEMS,
+    check_text,
+    validate_adapter_id,
+    validate_stop,
+)
 from api.ranges import in_range, stop_schema, text_schema
 from api.media import MediaSource
-from common.protocol import FinishReason, MediaKind
+from common.protocol import ADAPTER_NAME_PATTERN, FinishReason, MediaKind
 
 UINT32_MAX_PARAM = 2147483647
 UINT64_MAX = 2**64 - 1
-ADAPTER_ID = re.compile(r"^[A-Za-z0-9._/-]{1,256}$")
-NO_ADAPTER = "None"
 
 
 def _null_allowed(schema: dict[str, Any]) -> None:
@@ -69,24 +73,15 @@ class TGIParameters(BaseModel):
     ] = None
     watermark: bool | None = None
     stop: Annotated[list[str] | str | None, stop_schema(MAX_STOP_ITEMS, MAX_STOP_CHARS)] = None
-    adapter_id: str | None = Field(None, json_schema_extra={"enum": [NO_ADAPTER, None]},
-                                   description="LoRA adapter: none are configured, so only \"None\"")
+    adapter_id: str | None = Field(None, json_schema_extra={"pattern": ADAPTER_NAME_PATTERN},
+                                   description="the LoRA adapter to run with; \"None\" (the default): the base model")
 
     @field_validator("stop")
     @classmethod
     def _stop(cls, v: list[str] | str | None) -> list[str]:
         return validate_stop(v)
 
-    @field_validator("adapter_id")
-    @classmethod
-    def _adapter_id(cls, v: str | None) -> str | None:
-        if v is not None and not ADAPTER_ID.match(v):
-            raise ValueError(
-                "`adapter_id` must be 1 to 256 characters of letters, digits, '.', '-', '_' or '/'"
-            )
-        if v is not None and v != NO_ADAPTER:
-            raise ValueError(f"`adapter_id` '{v}' is not loaded on this server (no LoRA adapters are configured)")
-        return v
+    _adapter_id = field_validator("adapter_id")(staticmethod(validate_adapter_id))
 
     @property
     def wants_details(self) -> bool:

@@ -20,6 +20,11 @@
   request for an unknown id is answered 404. Its value is the job's id (the ``request_id`` of the
   :class:`common.protocol.Job`, which the control key, the control messages and the events channel use):
   the client's id plus a nonce, so nothing of an earlier request with the same client id reaches a new one.
+- ``ferry:{model}:adapters``: hash of the model's LoRA adapters, name -> folder: the configured ones
+  (``loraModules``, written by every API pod at start-up) and those loaded at run time
+  (``/v1/load_lora_adapter``). API pods accept a request for an adapter only while it is here; workers load
+  an adapter from the folder its job names the first time they see it, and free it after an
+  ``unload_adapter`` control message once no running request uses it.
 - ``ferry:{model}:media:{request_id}:{n}``: the bytes of the request's n-th media item (multimodal list
   input), SET by the API pod before it queues the job (whose :class:`common.protocol.MediaRef` names the key)
   and deleted by that pod when the request ends; its TTL (e2eTimeout + 60 s) removes it if the pod dies first.
@@ -76,6 +81,10 @@ def control_key(model: str, request_id: str) -> str:
 
 def inflight_key(model: str, request_id: str) -> str:
     return f"{PREFIX}:{model}:inflight:{request_id}"
+
+
+def adapters_key(model: str) -> str:
+    return f"{PREFIX}:{model}:adapters"
 
 
 def media_key(model: str, request_id: str, index: int) -> str:

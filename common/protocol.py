@@ -48,6 +48,18 @@ class MediaRef(BaseModel):
     size: int = Field(ge=0, description="bytes")
 
 
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9._/-]{1,256}$"  # SPEC.md adapter_id: letters, digits, . - _ /, <= 256
+ADAPTER_NAME_RULE = "1 to 256 characters of letters, digits, '.', '-', '_' or '/'"
+
+
+class AdapterRef(BaseModel):
+    """The LoRA adapter a job runs with: the name clients select it by, and the folder (peft's
+    ``save_pretrained`` layout) a worker loads it from the first time a job names it."""
+
+    name: str = Field(pattern=ADAPTER_NAME_PATTERN)
+    path: str = Field(min_length=1)
+
+
 class Job(BaseModel):
     """One generation request as queued in the model's job stream."""
 
@@ -58,6 +70,7 @@ class Job(BaseModel):
     params: SamplingParams
     decoder_input_details: bool = Field(False, description="return log-probs of the prompt tokens")
     media: list[MediaRef] = Field(default_factory=list, description="the media items, in placeholder order")
+    adapter: AdapterRef | None = Field(None, description="the LoRA adapter; None: the base model")
     enqueued_at: float = Field(description="unix time the API queued the job")
     deadline: float | None = Field(None, description="unix time after which nobody waits for the result")
 
@@ -122,10 +135,11 @@ class WorkerStatus(BaseModel):
 
 class Control(BaseModel):
     """Sent by an API pod to the model's workers. ``cancel``: the client left, drop the request silently;
-    ``stop``: end it at its next token with finish_reason ``stop_sequence`` (Triton/MindIE stopInfer)."""
+    ``stop``: end it at its next token with finish_reason ``stop_sequence`` (Triton/MindIE stopInfer);
+    ``unload_adapter``: free the LoRA adapter named ``request_id`` once no running request uses it."""
 
-    request_id: str
-    action: Literal["cancel", "stop"]
+    request_id: str = Field(description="the request; for unload_adapter, the adapter's name")
+    action: Literal["cancel", "stop", "unload_adapter"]
 
 
 Event = Annotated[Union[TokenEvent, ErrorEvent], Field(discriminator="type")]

@@ -41,6 +41,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from common.protocol import ADAPTER_NAME_PATTERN
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 EngineName = Literal["transformers", "vllm"]
@@ -129,6 +130,10 @@ class ModelEntry(BaseModel):
 
     name: str = Field(min_length=1, alias="modelName")
     path: Path = Field(alias="modelWeightPath")
+    lora_modules: dict[Annotated[str, Field(pattern=ADAPTER_NAME_PATTERN)], str] = Field(
+        default_factory=dict, alias="loraModules",
+        description="LoRA adapters served from start-up: name (as requests select it) -> peft adapter folder",
+    )
 
 
 def _setting_keys() -> dict[str, tuple[str | None, str, str]]:
@@ -216,6 +221,12 @@ class Settings(BaseSettings):
     models: list[ModelEntry] = Field(
         default_factory=list, description="every model of the deployment; API pods serve them all",
         **_spec("ModelDeployConfig", "ModelConfig", "MODEL_CONFIG"),
+    )
+
+    lora_modules: dict[Annotated[str, Field(pattern=ADAPTER_NAME_PATTERN)], str] = Field(
+        default_factory=dict, description="the default model's LoRA adapters (a JSON object name -> folder), "
+        "beside its ModelConfig entry's loraModules",
+        **_spec("ModelDeployConfig", "loraModules", "LORA_MODULES"),
     )
 
     # Network and security
@@ -422,7 +433,10 @@ class Settings(BaseSettings):
     @property
     def served_models(self) -> list[ModelEntry]:
         """Every model of the deployment, the default one (MODEL_NAME, else the first) first."""
-        default = ModelEntry(name=self.served_model_name, path=self.resolved_model_path)
+        name = self.served_model_name
+        entry = next((entry for entry in self.models if entry.name == name), None)
+        adapters = {**(entry.lora_modules if entry else {}), **self.lora_modules}
+        default = ModelEntry(name=name, path=self.resolved_model_path, lora_modules=adapters)
         return [default, *(entry for entry in self.models if entry.name != default.name)]
 
     @classmethod

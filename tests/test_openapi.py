@@ -46,6 +46,8 @@ UNSTATED_RULES = (
     "`max_tokens` and `max_completion_tokens` disagree",
     "`decoder_input_details` == true is not supported when streaming tokens",
     "` takes no ",  # a media kind the served model does not take (the document lists every kind)
+    "cannot be loaded: ",  # a LoRA adapter folder must exist and hold an adapter: the server's files decide
+    "has already been loaded.",  # an adapter name already in use: the registry's state decides
 )
 
 

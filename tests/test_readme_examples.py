@@ -25,10 +25,12 @@ import httpx
 import pytest
 
 from tests.conftest import CHAT_TEMPLATE, Stack, start_stack, stop_stack
+from worker.tiny_model import make_tiny_lora
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 README_HOSTS = ("localhost:8080", "127.0.0.1:8080")
 README_MODEL = "tiny-llama"
+README_ADAPTER = "/models/tiny-lora"  # the LoRA examples' adapter folder: one the stack's fixture makes
 STATUS_IN_COMMENT = re.compile(r"HTTP (\d{3})\b|\((\d{3})\)")
 CURL_FLAGS = {"-s", "-S", "-N", "-i", "-si", "-sN", "-sS", "-sSN"}  # output options: nothing to send
 
@@ -161,16 +163,17 @@ def readme_stack(redis_url: str, tiny_model_path: Path, tmp_path_factory: pytest
     template = log_dir / "chat_template.jinja"
     template.write_text(CHAT_TEMPLATE)
     running = start_stack(redis_url, tiny_model_path, log_dir, {"CHAT_TEMPLATE": str(template)})
+    running.env[README_ADAPTER] = str(make_tiny_lora(tiny_model_path, log_dir / "tiny-lora"))
     yield running
     stop_stack(running)
 
 
 def _for_stack(text: str, stack: Stack) -> str:
-    """The README's host and model name replaced by the stack's."""
+    """The README's host, model name and adapter folder replaced by the stack's."""
     host = urlsplit(stack.base_url).netloc
     for readme_host in README_HOSTS:
         text = text.replace(f"http://{readme_host}", stack.base_url).replace(readme_host, host)
-    return text.replace(README_MODEL, stack.model_name)
+    return text.replace(README_MODEL, stack.model_name).replace(README_ADAPTER, stack.env[README_ADAPTER])
 
 
 def curl_request(command: str) -> httpx.Request:

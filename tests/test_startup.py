@@ -173,9 +173,10 @@ def test_the_vllm_engine_logs_its_load(
 ) -> None:
     """The lines around vLLM's own load (its engine is replaced here by its configuration alone)."""
     vllm_engine = pytest.importorskip("worker.vllm_engine", reason="vllm is not installed")
-    model_config = SimpleNamespace(dtype=torch.bfloat16, max_model_len=64, get_vocab_size=lambda: 4096)
+    model_config = SimpleNamespace(dtype=torch.bfloat16, max_model_len=64, get_vocab_size=lambda: 4096, hf_config=None)
     cache_config = SimpleNamespace(num_gpu_blocks=8, block_size=16)
-    loaded = SimpleNamespace(vllm_config=SimpleNamespace(model_config=model_config, cache_config=cache_config))
+    loaded = SimpleNamespace(vllm_config=SimpleNamespace(model_config=model_config, cache_config=cache_config,
+                                                         lora_config=None))
     monkeypatch.setattr(vllm_engine.LLMEngine, "from_engine_args", lambda args: loaded)
     with caplog.at_level(logging.INFO, logger="ferry.engine.vllm"):
         vllm_engine.VllmEngine.load(Settings(model_path=tiny_model_path, engine="vllm", dtype="auto"))

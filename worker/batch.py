@@ -6,6 +6,10 @@ every row's positions starting at 0, exactly as if it ran alone. Rows that finis
 padding columns no remaining row needs are trimmed; newly prefilled rows are merged in by left-padding
 the narrower of the two caches. The KV cache is a ``transformers`` 5 ``DynamicCache``, read through its
 public ``layers`` and built only through its public ``update`` API.
+
+Each row also carries the name of its LoRA adapter (None: the base model). Once the model is wrapped in a
+peft ``PeftModel`` every pass gives peft these names (its ``adapter_names``), so rows of several adapters
+and of the base model share one batch, each row computed with its own adapter only.
 """
 
 from __future__ import annotations
@@ -16,18 +20,23 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from peft import PeftModel
 from transformers import DynamicCache, PreTrainedModel
 
 from common.protocol import SamplingParams
 from worker.attention import accepts_4d_mask
 from worker.sampling import BatchSampler
 
+BASE_ADAPTER = "__base__"
+"""peft's ``adapter_names`` entry for a row without adapter."""
+
 
 @dataclass(frozen=True)
 class ForwardArgs:
     """How to call one model's forward: which of the optional arguments it declares (a model that has no
     ``position_ids``, such as Bloom with ALiBi, derives positions from the mask; one without
-    ``logits_to_keep`` returns every position's logits) and whether it takes a ready 4D mask."""
+    ``logits_to_keep`` returns every position's logits) and whether it takes a ready 4D mask. These are read
+    from the Hugging Face model: a ``PeftModel`` wrapping it passes them on without declaring them."""
 
     mask_4d: bool
     position_ids: bool
@@ -39,11 +48,15 @@ class ForwardArgs:
         return cls(accepts_4d_mask(model), "position_ids" in declared, "logits_to_keep" in declared)
 
     def call(
-        self, model: PreTrainedModel, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-        cache: DynamicCache, logits_to_keep: int | None = None, extra_inputs: dict[str, torch.Tensor] | None = None,
+        self, model: PreTrainedModel | PeftModel, input_ids: torch.Tensor, mask: torch.Tensor,
+        positions: torch.Tensor, cache: DynamicCache, logits_to_keep: int | None = None,
+        extra_inputs: dict[str, torch.Tensor] | None = None, adapter_names: list[str] | None = None,
     ) -> torch.Tensor:
-        """The logits of one forward pass (``mask`` already in the form :attr:`mask_4d` says)."""
+        """The logits of one forward pass (``mask`` already in the form :attr:`mask_4d` says); ``adapter_names``
+        (one per row) go to a ``PeftModel``."""
         kwargs: dict[str, Any] = dict(extra_inputs or {})
+        if adapter_names is not None:
+            kwargs["adapter_names"] = adapter_names
         if self.position_ids:
             kwargs["position_ids"] = positions
         if self.logits_to_keep and logits_to_keep is not None:
@@ -63,26 +76,30 @@ class DecodeBatch:
         next_ids: torch.Tensor,
         positions: torch.Tensor,
         sampler: BatchSampler,
+        adapters: list[str | None],
     ) -> None:
         self.cache = cache
         self.attention_mask = attention_mask  # bool [batch, cache width], False on left padding
         self.next_ids = next_ids  # [batch, 1]: the last chosen token, not yet in the cache
         self.positions = positions  # [batch, 1]: position id of next_ids
         self.sampler = sampler
+        self.adapters = adapters  # each row's LoRA adapter; None: the base model
 
     @classmethod
     def prefill(
         cls,
-        model: PreTrainedModel,
+        model: PreTrainedModel | PeftModel,
         prompts: Sequence[Sequence[int]],
         params: Sequence[SamplingParams],
         pad_id: int,
         prompt_details: Sequence[bool],
         forward: ForwardArgs,
+        adapters: Sequence[str | None],
         extra_inputs: dict[str, torch.Tensor] | None = None,
     ) -> tuple["DecodeBatch", torch.Tensor, torch.Tensor, list[list[float] | None]]:
-        """Run the prompts through the model in one left-padded pass and choose each row's first token;
-        ``extra_inputs`` go to the model's forward too (the rows' media features, in row order).
+        """Run the prompts through the model in one left-padded pass and choose each row's first token, each
+        row with its adapter of ``adapters``; ``extra_inputs`` go to the model's forward too (the rows' media
+        features, in row order).
 
         Returns the batch, the chosen ids and their logprobs, and for rows that asked for details the
         logprob of each prompt token after the first. Full-sequence logits are only materialised then.
@@ -96,25 +113,26 @@ class DecodeBatch:
         cache = DynamicCache()
         mask = _causal_mask(attention_mask) if forward.mask_4d else attention_mask
         logits = forward.call(model, input_ids, mask, positions, cache, 0 if any(prompt_details) else 1,
-                              extra_inputs)
+                              extra_inputs, _adapter_names(model, adapters))
         sampler = BatchSampler.create(params, prompts, logits.shape[-1], model.device)
         ids, logprobs = sampler(logits[:, -1, :])
         prompt_logprobs = [
             _prompt_logprobs(logits[row], prompt) if details else None
             for row, (prompt, details) in enumerate(zip(prompts, prompt_details))
         ]
-        batch = cls(cache, attention_mask, ids[:, None], positions[:, -1:] + 1, sampler)
+        batch = cls(cache, attention_mask, ids[:, None], positions[:, -1:] + 1, sampler, list(adapters))
         return batch, ids, logprobs, prompt_logprobs
 
     @property
     def size(self) -> int:
         return self.next_ids.shape[0]
 
-    def decode(self, model: PreTrainedModel, forward: ForwardArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(self, model: PreTrainedModel | PeftModel, forward: ForwardArgs) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed every row's last token, append it to the cache and choose the next one."""
         attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones((self.size, 1))], dim=1)
         mask = attention_mask[:, None, None, :] if forward.mask_4d else attention_mask
-        logits = forward.call(model, self.next_ids, mask, self.positions, self.cache)
+        logits = forward.call(model, self.next_ids, mask, self.positions, self.cache,
+                              adapter_names=_adapter_names(model, self.adapters))
         self.attention_mask = attention_mask
         ids, logprobs = self.sampler(logits[:, -1, :])
         self.next_ids = ids[:, None]
@@ -131,6 +149,7 @@ class DecodeBatch:
         self.next_ids = self.next_ids[index]
         self.positions = self.positions[index]
         self.sampler = self.sampler.select(keep)
+        self.adapters = [self.adapters[row] for row in keep]
 
     def merge(self, other: "DecodeBatch") -> None:
         """Append the rows of ``other``, left-padding whichever cache is narrower."""
@@ -143,6 +162,13 @@ class DecodeBatch:
         self.next_ids = torch.cat([self.next_ids, other.next_ids])
         self.positions = torch.cat([self.positions, other.positions])
         self.sampler = BatchSampler.concat(self.sampler, other.sampler)
+        self.adapters = self.adapters + other.adapters
+
+
+def _adapter_names(model: PreTrainedModel | PeftModel, adapters: Sequence[str | None]) -> list[str] | None:
+    """peft's ``adapter_names`` for the rows (:data:`BASE_ADAPTER`: none) when the model is wrapped: every pass
+    must name each row's adapter, else peft applies its active adapter to all rows. None for a plain model."""
+    return [name or BASE_ADAPTER for name in adapters] if isinstance(model, PeftModel) else None
 
 
 def _causal_mask(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -20,11 +20,12 @@ from __future__ import annotations
 import importlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from common.protocol import ErrorEvent, Finish, FinishReason, Job, TokenEvent, TokenInfo
+from common.protocol import AdapterRef, ErrorEvent, Finish, FinishReason, Job, TokenEvent, TokenInfo
 from common.settings import EngineName, Settings
 from worker.detokenizer import Decode, TextStream
 
@@ -47,8 +48,60 @@ class EngineLoadError(RuntimeError):
 
 
 class RequestRefused(ValueError):
-    """A job an engine refuses only when it is added: its media cannot be read, or the prompt they expand to
-    leaves the limits. The message says why; the client gets it as a validation error."""
+    """A job an engine refuses only when it is added: its media cannot be read, the prompt they expand to
+    leaves the limits, or its LoRA adapter cannot be loaded. The message says why; the client gets it as a
+    validation error."""
+
+
+class AdapterSet:
+    """The LoRA adapters one engine holds and how many added requests use each, the bookkeeping both engines
+    share: an adapter is loaded the first time a job names it, loaded anew when its name comes back with
+    another folder and no request uses the old weights, and freed after an unload once its last request has
+    ended. ``load`` loads one into the engine (raising :class:`RequestRefused`, with nothing loaded, when it
+    cannot); ``free`` frees one by name."""
+
+    def __init__(self, load: Callable[[AdapterRef], None], free: Callable[[str], None]) -> None:
+        self._load = load
+        self._free = free
+        self.loaded: dict[str, AdapterRef] = {}
+        self._users: Counter[str] = Counter()
+        self._unloading: set[str] = set()
+
+    def acquire(self, ref: AdapterRef) -> None:
+        """Make ``ref`` usable by one more request, loading it if need be; raises :class:`RequestRefused`."""
+        current = self.loaded.get(ref.name)
+        if current is not None and current.path != ref.path:
+            if self._users[ref.name]:
+                raise RequestRefused(f"the LoRA adapter `{ref.name}` now names the folder {ref.path}, but running "
+                                     f"requests still use its weights from {current.path}; retry when they end")
+            self._drop(ref.name)
+            current = None
+        if current is None:
+            self._load(ref)
+            self.loaded[ref.name] = ref
+        self._unloading.discard(ref.name)
+        self._users[ref.name] += 1
+
+    def release(self, name: str) -> None:
+        """One request that used the adapter ``name`` ended (finished, stopped, cancelled or failed)."""
+        self._users[name] -= 1
+        if self._users[name] <= 0:
+            del self._users[name]
+            if name in self._unloading:
+                self._drop(name)
+
+    def unload(self, name: str) -> None:
+        """Free the adapter now if no request uses it, else once its last one ends."""
+        if name in self.loaded:
+            if self._users[name]:
+                self._unloading.add(name)
+            else:
+                self._drop(name)
+
+    def _drop(self, name: str) -> None:
+        self._unloading.discard(name)
+        del self.loaded[name]
+        self._free(name)
 
 
 @dataclass(frozen=True)
@@ -189,9 +242,17 @@ class Engine(ABC):
     @abstractmethod
     def add(self, job: Job, media: Sequence[bytes] = ()) -> None:
         """Queue a job (one without a :meth:`refusal`, and not known already) for the following steps;
-        ``media[i]`` holds the bytes of ``job.media[i]``. Raises :class:`RequestRefused` for media the engine
-        cannot take, or a prompt they expand past the limits (the :meth:`refusal` of the placeholder prompt
-        is only a lower bound)."""
+        ``media[i]`` holds the bytes of ``job.media[i]``. A job with an :attr:`~common.protocol.Job.adapter`
+        runs with that LoRA adapter, loaded from its folder the first time its name is seen (again when the
+        name comes back with another folder and no running request uses the old one). Raises
+        :class:`RequestRefused` for media the engine cannot take, a prompt they expand past the limits (the
+        :meth:`refusal` of the placeholder prompt is only a lower bound), or an adapter that cannot be
+        loaded or used here."""
+
+    @abstractmethod
+    def unload_adapter(self, name: str) -> None:
+        """Free the LoRA adapter ``name`` once no added request uses it (at once when none does); nothing if
+        it is not loaded. A later job naming it loads it again."""
 
     @abstractmethod
     def cancel(self, request_id: str) -> bool:

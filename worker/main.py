@@ -189,6 +189,9 @@ class WorkerLoop:
             self.apply_control(control)
 
     def apply_control(self, control: Control) -> None:
+        if control.action == "unload_adapter":  # request_id names the adapter
+            self.engine.unload_adapter(control.request_id)
+            return
         if control.request_id not in self._inflight:
             return  # another worker's request, or one this worker has not read yet (see accept)
         if control.action == "stop":

@@ -6,7 +6,8 @@ package data), with a chat template, and a seeded, randomly initialised Llama mo
 ``save_pretrained``. Everything else loads the folder with the ordinary ``from_pretrained`` code, exactly as it
 would load a real model. ``--kind vlm`` makes a LLaVA-style vision-language model instead: a small CLIP vision
 tower and projector in front of the same tiny Llama, with a processor whose ``<image>`` token stands for
-:data:`VLM_IMAGE_TOKENS` image features.
+:data:`VLM_IMAGE_TOKENS` image features. ``--kind lora BASE DIR`` makes a seeded random LoRA adapter for the
+model folder BASE, in peft's ``save_pretrained`` layout, for tests of adapters served beside the base model.
 """
 
 from __future__ import annotations
@@ -159,6 +160,34 @@ def make_tiny_vlm(out_dir: Path, *, vocab_size: int = 4096, seed: int = 0) -> Pa
     return _save(out_dir, model, processor)
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_B_STD = 0.1
+"""The spread of the adapter's ``lora_B`` weights. peft starts B at zero (a trained adapter moves it), which
+would make a fresh adapter a no-op; at this spread each adapted layer's output moves by a sixth to a third of the
+base layer's, so greedy decoding of the tiny model visibly changes."""
+
+
+def make_tiny_lora(base: Path, out_dir: Path, *, seed: int = 0, rank: int = 8) -> Path:
+    """Write a LoRA adapter for the model folder ``base`` to ``out_dir``: every attention and MLP projection
+    adapted at ``rank``, ``lora_A`` as peft initialises it and ``lora_B`` random too, both from ``seed``."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    if not Path(base, "config.json").is_file():  # else from_pretrained would look for it on the Hub
+        raise FileNotFoundError(f"{base} is not a model folder (no config.json)")
+    Path(out_dir).parent.mkdir(parents=True, exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(str(base))
+    config = LoraConfig(task_type="CAUSAL_LM", r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS)
+    torch.manual_seed(seed)
+    adapted = get_peft_model(model, config)
+    with torch.no_grad():
+        for name, parameter in adapted.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=LORA_B_STD)
+    return _save(out_dir, adapted)
+
+
 KINDS = {"llm": make_tiny_model, "vlm": make_tiny_vlm}
 
 
@@ -172,14 +201,24 @@ def ensure_tiny_model(out_dir: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out_dir", type=Path, help="folder to write the model to")
-    parser.add_argument("--kind", choices=list(KINDS), default="llm",
-                        help="llm: a causal LM (default); vlm: a LLaVA-style vision-language model")
+    parser.add_argument("base", type=Path, nargs="?", metavar="BASE",
+                        help="--kind lora: the model folder the adapter is for")
+    parser.add_argument("out_dir", type=Path, metavar="DIR", help="folder to write the model (or adapter) to")
+    parser.add_argument("--kind", choices=[*KINDS, "lora"], default="llm",
+                        help="llm: a causal LM (default); vlm: a LLaVA-style vision-language model; "
+                             "lora: a LoRA adapter for the model folder BASE")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--rank", type=int, default=8, help="--kind lora: the adapter's rank")
     args = parser.parse_args(argv)
+    if (args.kind == "lora") != (args.base is not None):
+        parser.error("--kind lora takes two folders, BASE and DIR" if args.kind == "lora"
+                     else f"--kind {args.kind} takes one folder, DIR")
     try:
-        path = KINDS[args.kind](args.out_dir, vocab_size=args.vocab_size, seed=args.seed)
+        if args.kind == "lora":
+            path = make_tiny_lora(args.base, args.out_dir, seed=args.seed, rank=args.rank)
+        else:
+            path = KINDS[args.kind](args.out_dir, vocab_size=args.vocab_size, seed=args.seed)
     except FileNotFoundError as exc:
         parser.exit(1, f"{parser.prog}: {exc}\n")
     print(path)

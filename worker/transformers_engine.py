@@ -6,6 +6,12 @@ drops the requests that finished, so requests join and leave between any two tok
 reservation: a request holds ``prompt + max_new_tokens`` cache tokens for its lifetime and is only admitted
 while the sum over running requests stays within ``max_batch_total_tokens``.
 
+LoRA adapters (peft) join the same batch: the first job that names one wraps the model in a ``PeftModel``,
+later ones load more adapters into it, and every pass names each row's adapter (:mod:`worker.batch`), so
+requests of several adapters and of the base model decode together. An adapter is freed when it is unloaded
+and no added request uses it any more; with the last one the model is unwrapped again, so requests without
+adapter run exactly as they do on a model that never had one.
+
 The engine is not thread-safe: the queue loop calls every method from one thread.
 """
 
@@ -14,9 +20,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
+from peft import PeftModel
+from peft.functional import delete_adapter
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -27,14 +35,16 @@ from transformers import (
 )
 
 from common.model_files import ModelUnavailable, model_file
-from common.protocol import ErrorEvent, Job, TokenEvent
+from common.protocol import AdapterRef, ErrorEvent, Job, TokenEvent
 from common.settings import Settings
 from worker.attention import use_padded_attention
-from worker.batch import DecodeBatch, ForwardArgs
+from worker.batch import BASE_ADAPTER, DecodeBatch, ForwardArgs
 from worker.cpu_linear import use_packed_linear
+from worker import lora
 from worker.media import MediaProcessor, concatenate
 from worker.detokenizer import make_decoder
 from worker.engine import (
+    AdapterSet,
     Engine,
     EngineLoadError,
     RequestRefused,
@@ -74,6 +84,10 @@ class TransformersEngine(Engine):
         self._batch: DecodeBatch | None = None
         self._cancelled: set[str] = set()
         self._stopping: set[str] = set()
+        # LoRA adapters: the wrapped model (None until the first adapter and after the last one is freed),
+        # and which adapters are loaded and used by added (queued or running) requests.
+        self._peft: PeftModel | None = None
+        self.adapters = AdapterSet(self._load_adapter, self._free_adapter)
 
     @classmethod
     def load(cls, settings: Settings) -> "TransformersEngine":
@@ -146,7 +160,8 @@ class TransformersEngine(Engine):
 
     def add(self, job: Job, media: Sequence[bytes] = ()) -> None:
         """Queue a job for admission at a following step; a multimodal one with its prompt expanded by the
-        model's processor (:mod:`worker.media`), which is what its limits then apply to."""
+        model's processor (:mod:`worker.media`), which is what its limits then apply to; one with an adapter
+        after loading it if need be (:class:`worker.engine.AdapterSet`)."""
         if self._knows(job.request_id):
             raise ValueError(f"request {job.request_id} is already queued or running")
         inputs = None
@@ -164,7 +179,12 @@ class TransformersEngine(Engine):
             model = self.model
             state.extra_inputs = {name: value.to(model.device, model.dtype if value.is_floating_point() else None)
                                   for name, value in inputs.tensors.items()}
+        if job.adapter is not None:
+            self.adapters.acquire(job.adapter)
         self._waiting.append(state)
+
+    def unload_adapter(self, name: str) -> None:
+        self.adapters.unload(name)
 
     def cancel(self, request_id: str) -> bool:
         """Drop a queued or running request at the next step (it gets no further event)."""
@@ -180,6 +200,68 @@ class TransformersEngine(Engine):
         if known:
             self._stopping.add(request_id)
         return known
+
+    # -- adapters ----------------------------------------------------------------------------------
+
+    @property
+    def _runner(self) -> PreTrainedModel | PeftModel:
+        """The model every pass calls: the wrapped one while adapters are loaded."""
+        return self.model if self._peft is None else self._peft
+
+    def _load_adapter(self, adapter: AdapterRef) -> None:
+        """Load the adapter onto the model's device, wrapping the model for the first one. Raises
+        :class:`RequestRefused` for a folder that holds no LoRA adapter for a causal LM, or one peft cannot load
+        into this model (weights shaped for another model, most often); the model is then left as it was."""
+        name, path = adapter.name, adapter.path
+        modules = dict(self.model.named_modules())
+        try:
+            if name == BASE_ADAPTER:  # peft's name for rows without adapter: it would silently run the base model
+                raise ValueError("the name is reserved")
+            config = lora.read_config(path)
+            if config.use_dora:  # peft's mixed-batch forward refuses DoRA
+                raise ValueError("DoRA adapters cannot share a batch with other requests here")
+            device = str(self.model.device)
+            if self._peft is None:
+                self._peft = PeftModel.from_pretrained(self.model, path, adapter_name=name, config=config,
+                                                       torch_device=device)
+            else:
+                self._peft.load_adapter(path, adapter_name=name, torch_device=device)
+        except Exception as exc:  # peft and torch raise many kinds: each means this adapter cannot be used here
+            self._undo_load(name, modules)
+            refused = lora.refusal(adapter, exc)
+            log.warning("%s", refused)
+            raise refused from None
+        log.info("loaded adapter %s from %s", name, path)
+
+    def _undo_load(self, name: str, modules: dict[str, torch.nn.Module]) -> None:
+        """Take back whatever a failed load of ``name`` did: peft can fail half-way, after it replaced some of
+        the layers in ``modules`` (the model's modules before the load) with adapter layers, or added the
+        adapter's weights to layers that loaded adapters share."""
+        for key, module in modules.items():
+            if key and self.model.get_submodule(key) is not module:
+                self.model.set_submodule(key, module)
+        if self._peft is None:
+            vars(self.model).pop("peft_config", None)  # what PeftModel sets on the model it wraps
+        else:
+            self._peft.peft_config.pop(name, None)
+            delete_adapter(self.model, name, prefix=self._peft.base_model.prefix)
+
+    def _free_adapter(self, name: str) -> None:
+        """Delete an adapter no added request uses; unwrap the model when it was the last one."""
+        assert self._peft is not None  # an adapter is loaded
+        if self.adapters.loaded:  # others remain
+            self._peft.delete_adapter(name)
+        else:
+            self._peft.unload()  # every adapter layer gives back the model's own layer
+            self._peft = None
+        log.info("freed adapter %s", name)
+
+    def _release(self, sequences: Iterable[RequestState]) -> None:
+        """The requests left the engine (finished, cancelled or dropped): an adapter waiting to be unloaded
+        goes with its last one."""
+        for seq in sequences:
+            if seq.job.adapter is not None:
+                self.adapters.release(seq.job.adapter.name)
 
     def _knows(self, request_id: str) -> bool:
         return any(seq.job.request_id == request_id for seq in (*self._running, *self._waiting))
@@ -217,8 +299,9 @@ class TransformersEngine(Engine):
         joining = self._prefill(self._admit(), outputs)
         if self._batch is not None:
             try:
-                ids, logprobs = self._batch.decode(self.model, self._forward)
+                ids, logprobs = self._batch.decode(self._runner, self._forward)
             except Exception:
+                self._release(self._running)
                 self._running, self._batch = [], None
                 raise
             self._running, self._batch = self._advance(self._running, self._batch, ids, logprobs, outputs)
@@ -236,6 +319,7 @@ class TransformersEngine(Engine):
             return
         cancelled, self._cancelled = self._cancelled, set()
         self._stopping -= cancelled
+        self._release(seq for seq in (*self._waiting, *self._running) if seq.job.request_id in cancelled)
         self._waiting = deque(seq for seq in self._waiting if seq.job.request_id not in cancelled)
         keep = [row for row, seq in enumerate(self._running) if seq.job.request_id not in cancelled]
         self._running, self._batch = self._select(self._running, self._batch, keep)
@@ -269,15 +353,20 @@ class TransformersEngine(Engine):
         if not sequences:
             return None
         jobs = [seq.job for seq in sequences]
-        batch, ids, logprobs, prompt_logprobs = DecodeBatch.prefill(
-            self.model,
-            [job.input_ids for job in jobs],
-            [job.params for job in jobs],
-            self._pad_id,
-            [job.decoder_input_details for job in jobs],
-            self._forward,
-            concatenate([seq.extra_inputs for seq in sequences]),
-        )
+        try:
+            batch, ids, logprobs, prompt_logprobs = DecodeBatch.prefill(
+                self._runner,
+                [job.input_ids for job in jobs],
+                [job.params for job in jobs],
+                self._pad_id,
+                [job.decoder_input_details for job in jobs],
+                self._forward,
+                [job.adapter and job.adapter.name for job in jobs],
+                concatenate([seq.extra_inputs for seq in sequences]),
+            )
+        except Exception:
+            self._release(sequences)
+            raise
         for seq in sequences:
             seq.extra_inputs = {}  # the features are in the cache now
         for seq, scores in zip(sequences, prompt_logprobs):
@@ -306,6 +395,7 @@ class TransformersEngine(Engine):
             outputs.append(output)
             if output.finished:
                 self._stopping.discard(seq.job.request_id)
+                self._release([seq])
             else:
                 keep.append(row)
         return self._select(sequences, batch, keep)

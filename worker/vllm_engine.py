@@ -31,14 +31,17 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 from common.model_files import ModelUnavailable, model_file
-from common.protocol import ErrorEvent, Job, TokenEvent
+from common.protocol import AdapterRef, ErrorEvent, Job, TokenEvent
 from common.settings import Settings
+from worker import lora
 from worker.detokenizer import make_decoder
 from worker.engine import (
+    AdapterSet,
     Engine,
     EngineLoadError,
     RequestRefused,
@@ -53,6 +56,8 @@ from worker.engine import (
 try:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
     from vllm import EngineArgs, SamplingParams, TokensPrompt
+    from vllm.lora.request import LoRARequest
+    from vllm.platforms import current_platform
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.llm_engine import LLMEngine
 except ImportError as exc:  # load_engine turns this into one line naming the extra to install
@@ -86,6 +91,12 @@ class VllmEngine(Engine):
         cache = engine.vllm_config.cache_config
         self._kv_budget = (cache.num_gpu_blocks or 0) * cache.block_size
         self._requests: dict[str, RequestState] = {}  # added and not finished, in order of arrival
+        self._hf_config = model_config.hf_config  # what adapters are checked against (worker.lora.check_fits)
+        self._held: deque[str] = deque()  # added, not yet handed to vLLM (see _submit_held)
+        self._separate_base = engine.vllm_config.lora_config is not None and current_platform.is_cpu()
+        self._lora_ids: dict[str, int] = {}  # vLLM's id of each loaded adapter, new for each load
+        self._next_lora_id = 1
+        self.adapters = AdapterSet(self._load_adapter, self._free_adapter)
         self._prompt_logprobs: dict[str, list[float | None]] = {}  # decoder_input_details collected so far
         self._stopping: set[str] = set()
 
@@ -123,6 +134,9 @@ class VllmEngine(Engine):
             "max_num_seqs": settings.max_batch_size,
             "logprobs_mode": "processed_logprobs",
             "disable_log_stats": True,
+            # LoRA costs vLLM memory and speed: on when the model has adapters configured (enable_lora in
+            # VLLM_ENGINE_ARGS turns it on for adapters loaded at run time only)
+            "enable_lora": bool(settings.served_models[0].lora_modules),
             **settings.vllm_engine_args,
         }
         try:
@@ -155,11 +169,33 @@ class VllmEngine(Engine):
             raise ValueError(f"request {job.request_id} is already queued or running")
         state = new_request_state(job, self._decode, self.max_total_tokens)
         state.started_at = time.time()
-        [prompt] = self._engine.renderer.render_cmpl([TokensPrompt(prompt_token_ids=job.input_ids)])
-        self._engine.add_request(job.request_id, prompt, self._sampling_params(state))
+        if job.adapter is not None:
+            self.adapters.acquire(job.adapter)
         self._requests[job.request_id] = state
         if job.decoder_input_details:
             self._prompt_logprobs[job.request_id] = []
+        self._held.append(job.request_id)
+        self._submit_held()
+
+    def _submit_held(self) -> None:
+        """Hand vLLM the requests held back, in order, while they may join its batch: on CPU, where vLLM's LoRA
+        kernels give a base-model row wrong logits when it shares a batch with adapter rows (tests/
+        test_lora_engine.py shows it), base and adapter requests take turns instead of sharing a batch."""
+        while self._held:
+            state = self._requests[self._held[0]]
+            if self._separate_base and any((other.job.adapter is None) != (state.job.adapter is None)
+                                           for rid, other in self._requests.items() if rid not in self._held):
+                return
+            self._held.popleft()
+            job = state.job
+            [prompt] = self._engine.renderer.render_cmpl([TokensPrompt(prompt_token_ids=job.input_ids)])
+            lora = None if job.adapter is None else LoRARequest(job.adapter.name, self._lora_ids[job.adapter.name],
+                                                                job.adapter.path)
+            try:
+                self._engine.add_request(job.request_id, prompt, self._sampling_params(state), lora_request=lora)
+            except BaseException:
+                self._forget(job.request_id)
+                raise
 
     def _sampling_params(self, state: RequestState) -> SamplingParams:
         params = state.job.params
@@ -183,8 +219,9 @@ class VllmEngine(Engine):
         )
 
     def cancel(self, request_id: str) -> bool:
+        submitted = request_id not in self._held
         known = self._forget(request_id)
-        if known:
+        if known and submitted:
             self._engine.abort_request([request_id])
         return known
 
@@ -195,9 +232,37 @@ class VllmEngine(Engine):
         return known
 
     def _forget(self, request_id: str) -> bool:
+        if request_id in self._held:
+            self._held.remove(request_id)
         self._stopping.discard(request_id)
         self._prompt_logprobs.pop(request_id, None)
-        return self._requests.pop(request_id, None) is not None
+        state = self._requests.pop(request_id, None)
+        if state is not None and state.job.adapter is not None:
+            self.adapters.release(state.job.adapter.name)
+        return state is not None
+
+    # -- LoRA adapters -------------------------------------------------------------------------------
+
+    def unload_adapter(self, name: str) -> None:
+        self.adapters.unload(name)
+
+    def _load_adapter(self, ref: AdapterRef) -> None:
+        if self._engine.vllm_config.lora_config is None:
+            raise RequestRefused(f"this vllm worker runs without LoRA, so it cannot load the adapter `{ref.name}`: "
+                                 "configure the model's loraModules, or set VLLM_ENGINE_ARGS {\"enable_lora\": true}")
+        lora_id = self._next_lora_id
+        try:
+            lora.check_fits(ref.path, self._hf_config)  # vLLM would load some adapters that do not fit
+            self._engine.add_lora(LoRARequest(ref.name, lora_id, ref.path))
+        except Exception as exc:  # peft and vLLM raise what the adapter's files or shapes make them raise
+            refused = lora.refusal(ref, exc)
+            log.warning("%s", refused)
+            raise refused from None
+        self._next_lora_id += 1
+        self._lora_ids[ref.name] = lora_id
+
+    def _free_adapter(self, name: str) -> None:
+        self._engine.remove_lora(self._lora_ids.pop(name))
 
     # -- state -------------------------------------------------------------------------------------
 
@@ -229,12 +294,13 @@ class VllmEngine(Engine):
 
     def step(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
+        self._submit_held()
         if not self._requests or not self._engine.has_unfinished_requests():
             return outputs
         try:
             results = self._engine.step()
         except Exception:
-            self._engine.abort_request(list(self._requests))
+            self._engine.abort_request([rid for rid in self._requests if rid not in self._held])
             for request_id in list(self._requests):
                 self._forget(request_id)
             raise
