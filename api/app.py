@@ -42,7 +42,7 @@ PATH_ERRORS: tuple[tuple[str, Callable[[ProtocolError], Response]], ...] = (
 def redis_client(settings: Settings) -> Redis:
     """The pod's Redis client: a bounded pool that makes a command wait for a connection, not fail."""
     pool = BlockingConnectionPool.from_url(
-        settings.redis_url, max_connections=REDIS_POOL_SIZE, timeout=REDIS_POOL_WAIT_SECONDS
+        settings.redis_url, max_connections=REDIS_POOL_SIZE, timeout=REDIS_POOL_WAIT_SECONDS, **settings.redis_options
     )
     return Redis.from_pool(pool)
 

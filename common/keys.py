@@ -38,6 +38,16 @@ from __future__ import annotations
 
 PREFIX = "ferry"
 JOB_FIELD = "job"
+# The least an ACL user of API pods, workers and ferry-status needs (README "Redis: TLS and ACL users"): the keys
+# above, and the commands they run on them. Channels: all (&*), since Redis lets a client PSUBSCRIBE only a
+# pattern an ACL channel pattern matches literally, and each pod's pattern names the pod (events_pattern).
+ACL_RULES = (
+    f"~{PREFIX}:* &* -@all +ping "
+    "+get +set +mget +del +exists +scan +hset +hsetnx +hget +hgetall +hexists +hdel "
+    "+xadd +xlen +xreadgroup +xack +xdel +xgroup|create +xclaim +xautoclaim +xpending "
+    "+zadd +zrem +zcount +zrangebyscore +zremrangebyscore "
+    "+publish +subscribe +unsubscribe +psubscribe +punsubscribe"
+)
 
 
 def job_stream(model: str) -> str:

@@ -27,6 +27,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 from typing import Annotated, Any, Literal
 
 import jinja2
@@ -230,7 +231,22 @@ class Settings(BaseSettings):
     )
 
     # Network and security
-    redis_url: str = Field("redis://127.0.0.1:6379/0", **_spec("BackendConfig", "redisUrl", "REDIS_URL"))
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0", description="redis:// or, over TLS, rediss://; a user and password go in it "
+        "(rediss://USER:PASSWORD@host:port/0, an ACL user: README \"Redis\")",
+        **_spec("BackendConfig", "redisUrl", "REDIS_URL"),
+    )
+    redis_tls_ca_certs: Path | None = Field(
+        None, description="PEM CA bundle a rediss:// server's certificate is checked against (default: the system's)",
+        **_spec("BackendConfig", "redisTlsCaCerts", "REDIS_TLS_CA_CERTS"),
+    )
+    redis_tls_cert: Path | None = Field(
+        None, description="PEM client certificate for a rediss:// server that asks for one (tls-auth-clients)",
+        **_spec("BackendConfig", "redisTlsCert", "REDIS_TLS_CERT"),
+    )
+    redis_tls_key: Path | None = Field(
+        None, description="PEM private key of redisTlsCert", **_spec("BackendConfig", "redisTlsKey", "REDIS_TLS_KEY"),
+    )
     host: str = Field("127.0.0.1", **_spec("ServerConfig", "ipAddress", "HOST"))
     port: int = Field(8080, ge=1, le=65535, **_spec("ServerConfig", "port", "PORT"))
     https_enabled: bool = Field(False, **_spec("ServerConfig", "httpsEnabled", "HTTPS_ENABLED"))
@@ -417,7 +433,33 @@ class Settings(BaseSettings):
                     raise ValueError(f"{key}: no such file {path}")
         elif self.tls_ca_certs is not None:
             raise ValueError("tlsCaCerts (mutual TLS) needs httpsEnabled")
+        redis_tls = {"redisTlsCaCerts": self.redis_tls_ca_certs, "redisTlsCert": self.redis_tls_cert,
+                     "redisTlsKey": self.redis_tls_key}
+        given = [key for key, path in redis_tls.items() if path is not None]
+        if given and not self.redis_url.startswith("rediss://"):
+            raise ValueError(f"{', '.join(given)} need a rediss:// redisUrl (Redis over TLS)")
+        if (self.redis_tls_cert is None) != (self.redis_tls_key is None):
+            raise ValueError("redisTlsCert and redisTlsKey go together")
+        for key in given:
+            if not redis_tls[key].is_file():
+                raise ValueError(f"{key}: no such file {redis_tls[key]}")
         return self
+
+    @property
+    def redis_location(self) -> str:
+        """The Redis URL with its password masked, for messages and logs."""
+        parts = urlsplit(self.redis_url)
+        if parts.password is None:
+            return self.redis_url
+        host = parts.netloc.rpartition("@")[2]
+        return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+
+    @property
+    def redis_options(self) -> dict[str, Any]:
+        """What every Redis client of the deployment is made with besides the URL (redis-py's names)."""
+        options = {"ssl_ca_certs": self.redis_tls_ca_certs, "ssl_certfile": self.redis_tls_cert,
+                   "ssl_keyfile": self.redis_tls_key}
+        return {name: str(value) for name, value in options.items() if value is not None}
 
     @property
     def served_model_name(self) -> str:

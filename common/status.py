@@ -68,7 +68,7 @@ def render(states: list[ModelState], console: Console) -> None:
 
 
 async def _run(settings: Settings, only: list[str] | None) -> list[ModelState]:
-    redis = Redis.from_url(settings.redis_url, socket_connect_timeout=5)
+    redis = Redis.from_url(settings.redis_url, socket_connect_timeout=5, **settings.redis_options)
     try:
         return await read_status(redis, configured_models(settings), only)
     finally:
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         states = asyncio.run(_run(settings, args.model))
     except (RedisError, OSError) as exc:
-        print(f"ferry-status: cannot read {settings.redis_url}: {exc}", file=sys.stderr)
+        print(f"ferry-status: cannot read {settings.redis_location}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     if args.json:
         print(TypeAdapter(list[ModelState]).dump_json(states, indent=2).decode())

@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(1) from None
     try:
         freeze_startup_heap()
-        loop = WorkerLoop(settings, Redis.from_url(settings.redis_url), engine)
+        loop = WorkerLoop(settings, Redis.from_url(settings.redis_url, **settings.redis_options), engine)
         host, port = settings.worker_metrics_host, settings.worker_metrics_port
         if port:
             try:
