@@ -20,7 +20,7 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 
-from api import __version__, adapters, kserve, openai, ops, tgi
+from api import __version__, adapters, kserve, mindie, openai, ops, tgi
 from api.context import ModelInfo, ServerContext
 from api.errors import ProtocolError
 from api.relay import EventRelay
@@ -120,6 +120,7 @@ def create_app(settings: Settings, redis: Redis | None = None) -> FastAPI:
         lifespan=lifespan,
         exception_handlers={HTTPException: http_error},
     )
+    app.include_router(mindie.router)  # its POST /generate takes TGI's body (api.tgi's handler) and vLLM's
     app.include_router(tgi.router)
     app.include_router(kserve.router)
     app.include_router(kserve.control_router)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -29,7 +30,14 @@ from pydantic import (
 )
 
 from api.media import MediaSource
-from api.pipeline import MAX_INPUT_CHARS, MAX_STOP_CHARS, MAX_STOP_ITEMS, check_text, validate_stop
+from api.pipeline import (
+    MAX_INPUT_CHARS,
+    MAX_STOP_CHARS,
+    MAX_STOP_ITEMS,
+    check_text,
+    validate_stop,
+    validate_stop_token_ids,
+)
 from api.ranges import in_range, stop_schema, text_json_schema
 from common.protocol import ADAPTER_NAME_PATTERN, MediaKind
 
@@ -47,6 +55,23 @@ NO_TOOLS = {"maxItems": 0}  # tools and functions: none or []
 NO_TOOL_CHOICE = WithJsonSchema({"enum": ["none", None], "description": "no tool calling: only 'none'"})
 UNSUPPORTED_PENALTY = ("`{field}` is not supported, only 0: this server has no such penalty (its repetition_penalty "
                        "is a different, multiplicative penalty). Given: {{v}}")
+
+
+def UnsupportedPenalty(field: str) -> Any:  # noqa: N802 (a type, as the fields use it)
+    """A penalty field of OpenAI's and vLLM's this server has no such penalty for: only 0, else a message."""
+    return Annotated[float | None, in_range(UNSUPPORTED_PENALTY.format(field=field), ge=0, le=0)]
+
+
+# vLLM's sampling fields, as the OpenAI routes and MindIE's vLLM dialect of /generate take them
+VllmTopP = Annotated[float | None, in_range("`top_p` must be > 0 and <= 1 (1 = off). Given: {v}", gt=0.0, le=1.0)]
+VllmRepetitionPenalty = Annotated[
+    float | None, in_range("`repetition_penalty` must be strictly positive (1 = off). Given: {v}", gt=0.0)
+]
+StopTokenIds = Annotated[
+    list[int] | None,
+    Field(json_schema_extra={"items": {"type": "integer", "minimum": 0}, "maxItems": MAX_STOP_ITEMS}),
+    AfterValidator(validate_stop_token_ids),
+]
 
 
 def _unsupported(field: str, value: Any, why: str) -> ValueError:
@@ -88,7 +113,7 @@ class SamplingRequest(BaseModel):
     temperature: Annotated[
         float | None, in_range("`temperature` must be >= 0 and <= 2 (0 = greedy). Given: {v}", ge=0.0, le=2.0)
     ] = None
-    top_p: Annotated[float | None, in_range("`top_p` must be > 0 and <= 1 (1 = off). Given: {v}", gt=0.0, le=1.0)] = None
+    top_p: VllmTopP = None
     n: Annotated[
         int | None, in_range("`n` must be 1: this server returns one choice per request. Given: {v}", ge=1, le=1)
     ] = None
@@ -98,12 +123,8 @@ class SamplingRequest(BaseModel):
         in_range(f"`seed` must be a 64-bit signed integer, >= {INT64_MIN} and <= {INT64_MAX}. Given: {{v}}",
                  ge=INT64_MIN, le=INT64_MAX),
     ] = None
-    presence_penalty: Annotated[
-        float | None, in_range(UNSUPPORTED_PENALTY.format(field="presence_penalty"), ge=0, le=0)
-    ] = None
-    frequency_penalty: Annotated[
-        float | None, in_range(UNSUPPORTED_PENALTY.format(field="frequency_penalty"), ge=0, le=0)
-    ] = None
+    presence_penalty: UnsupportedPenalty("presence_penalty") = None
+    frequency_penalty: UnsupportedPenalty("frequency_penalty") = None
     logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0}, description="only {}")
     user: str | None = None  # accepted and ignored: it only identifies the end user to OpenAI
     metadata: dict[str, str] | None = None  # accepted and ignored: tags for OpenAI's dashboards
@@ -114,13 +135,9 @@ class SamplingRequest(BaseModel):
         int | None, in_range(f"`top_k` must be -1 or 0 (off) or a positive integer <= {INT32_MAX}. Given: {{v}}",
                              ge=-1, le=INT32_MAX)
     ] = None
-    repetition_penalty: Annotated[
-        float | None, in_range("`repetition_penalty` must be strictly positive (1 = off). Given: {v}", gt=0.0)
-    ] = None
+    repetition_penalty: VllmRepetitionPenalty = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = Field(
-        None, json_schema_extra={"items": {"type": "integer", "minimum": 0}, "maxItems": MAX_STOP_ITEMS}
-    )
+    stop_token_ids: StopTokenIds = None
     min_tokens: Annotated[
         int | None,
         in_range("`min_tokens` is not supported yet, only 0 (EOS may end the output at any length). Given: {v}",
@@ -142,15 +159,6 @@ class SamplingRequest(BaseModel):
             raise _unsupported("logit_bias", v, "is not supported yet, only an empty object")
         return v
 
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _stop_token_ids(cls, v: list[int] | None) -> list[int] | None:
-        if v is not None and len(v) > MAX_STOP_ITEMS:
-            raise ValueError(f"`stop_token_ids` supports up to {MAX_STOP_ITEMS} ids. Given: {len(v)}")
-        bad = next((i for i in v or () if i < 0), None)
-        if bad is not None:
-            raise ValueError(f"`stop_token_ids` must be token ids, >= 0. Given: {bad}")
-        return v
 
     @field_validator("stream_options")
     @classmethod

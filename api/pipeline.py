@@ -105,6 +105,17 @@ def validate_adapter_id(value: str | None) -> str | None:
     return value
 
 
+def validate_stop_token_ids(value: list[int] | None) -> list[int] | None:
+    """``stop_token_ids`` (vLLM's field, on the OpenAI and vLLM-dialect routes): at most as many as stop strings,
+    each a token id (the vocabulary bound is the pipeline's check)."""
+    if value is not None and len(value) > MAX_STOP_ITEMS:
+        raise ValueError(f"`stop_token_ids` supports up to {MAX_STOP_ITEMS} ids. Given: {len(value)}")
+    bad = next((i for i in value or () if i < 0), None)
+    if bad is not None:
+        raise ValueError(f"`stop_token_ids` must be token ids, >= 0. Given: {bad}")
+    return value
+
+
 def validate_stop(value: list[str] | str | None) -> list[str]:
     """The stop strings as a list (a string is one item, null or [] none), within SPEC.md's limits."""
     stops = [check_text("stop", value)] if isinstance(value, str) else [check_text("stop", s) for s in value or []]

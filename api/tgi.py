@@ -76,7 +76,7 @@ TGI = Protocol(
 )
 
 
-def _request_id(header: str | None) -> str | None:
+def client_request_id(header: str | None) -> str | None:
     """The client's ``x-request-id`` when well formed (it names the request for cancel/logs); None: a new one."""
     if header is not None and not REQUEST_ID_PATTERN.match(header):
         raise TGI.invalid("`x-request-id` must be 1 to 256 characters of letters, digits, '_' or '-'")
@@ -220,17 +220,17 @@ RequestIdHeader = Annotated[str | None, Header(alias="x-request-id", json_schema
 async def compat_generate(
     body: TGIRequest, ctx: Ctx, http: Request, x_request_id: RequestIdHeader = None
 ) -> Response:
-    request_id = _request_id(x_request_id)
+    request_id = client_request_id(x_request_id)
     if body.stream:
         return await _stream(ctx, body, request_id, ctx.settings.tgi_stream_format)
     return await _respond(ctx, body, request_id, http, listed=True)
 
 
-@router.post("/generate", responses={**ERROR_RESPONSES, 200: {"model": TGIGenerateResponse}})
+# POST /generate: api.mindie's route answers it (it also takes vLLM's dialect) and hands TGI's bodies here.
 async def generate_route(
     body: TGIRequest, ctx: Ctx, http: Request, x_request_id: RequestIdHeader = None
 ) -> Response:
-    return await _respond(ctx, body, _request_id(x_request_id), http, listed=False)
+    return await _respond(ctx, body, client_request_id(x_request_id), http, listed=False)
 
 
 @router.post(
@@ -239,7 +239,7 @@ async def generate_route(
     responses={**ERROR_RESPONSES, 200: {**SSE_CONTENT, "description": "TGIStreamResponse events"}},
 )
 async def generate_stream_route(body: TGIRequest, ctx: Ctx, x_request_id: RequestIdHeader = None) -> Response:
-    return await _stream(ctx, body, _request_id(x_request_id), "int")
+    return await _stream(ctx, body, client_request_id(x_request_id), "int")
 
 
 @router.get("/info", response_model=TGIInfo)

@@ -153,6 +153,15 @@ def prompt_parts(items: list[InputItem]) -> list[str | MediaSource]:
     return parts
 
 
+def null_is_empty(value: Any) -> Any:
+    """``null`` for an object means unset: an empty one."""
+    return {} if value is None else value
+
+
+def null_is_false(value: Any) -> Any:
+    return False if value is None else value
+
+
 class TGIRequest(BaseModel):
     """Body of ``POST /``, ``/generate`` and ``/generate_stream``."""
 
@@ -167,15 +176,8 @@ class TGIRequest(BaseModel):
     parameters: TGIParameters = Field(default_factory=TGIParameters, json_schema_extra=_null_allowed)
     stream: bool = Field(False, json_schema_extra=_null_allowed)
 
-    @field_validator("parameters", mode="before")
-    @classmethod
-    def _null_parameters(cls, v: Any) -> Any:
-        return {} if v is None else v
-
-    @field_validator("stream", mode="before")
-    @classmethod
-    def _null_stream(cls, v: Any) -> Any:
-        return False if v is None else v
+    _null_parameters = field_validator("parameters", mode="before")(staticmethod(null_is_empty))
+    _null_stream = field_validator("stream", mode="before")(staticmethod(null_is_false))
 
     @field_validator("inputs")
     @classmethod

@@ -1,0 +1,286 @@
+"""MindIE's native inference routes: ``POST /generate`` in vLLM 0.2.6's dialect, ``POST /infer`` and
+``/infer_token``, ``POST /v1/tokenizer``.
+
+A thin translation like :mod:`api.tgi`: each body becomes an :class:`api.inference.InferenceRequest`; errors
+are TGI's (``{"error", "error_type"}``, 422 for a bad input), as MindIE answers them.
+
+``POST /generate`` is shared with TGI. Its one route here reads the body once and picks the dialect by its
+prompt field (:data:`api.mindie_schemas.GenerateBody`): ``inputs`` is TGI's body, handed to
+:func:`api.tgi.generate_route` (TGI's module keeps its handler and rules); ``prompt`` is vLLM's; both or
+neither is a 422. TGI's router declares no ``/generate`` route of its own.
+
+vLLM dialect: ``{"text": [prompt + completion]}`` as vLLM 0.2.6's api_server answers. Its stream (``stream``:
+true) is vLLM's framing, JSON objects each followed by a NUL byte (not SSE), but each object holds the
+DELTA of that step, ``{"text": ["<new text>"]}`` (the issue's choice; vLLM 0.2.6 itself sends the prompt and
+all the text so far each time): a client joins the deltas, after the prompt it sent. A failure after the
+stream started is a last ``{"error", "error_type"}`` object.
+
+``/infer`` and ``/infer_token`` take the same body: a text ``inputs`` or token ids ``input_id``, TGI's
+``parameters`` plus ``priority`` (validated, not applied yet: the queue is first come, first served) and
+``timeout`` (seconds, the request's own deadline: past it a request answers 500 ``incomplete_generation``,
+or ends its stream with that error event; ``e2eTimeout`` and ``tokenTimeout`` still apply, the earliest
+wins). Their stream is SSE, one event per token with the pod's timings in ms: ``prefill_time`` on the
+first event (queueing to first token), ``decode_time`` on the others (since the previous token).
+
+Every response of these routes, errors included, carries a ``RequestUUID`` header (:func:`_uuid_route_class`):
+the pipeline's request id on the inference routes (``x-request-id`` when TGI's ``/generate`` got one), a new
+id on ``/v1/tokenizer``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Annotated, Any
+
+import orjson
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
+from starlette.background import BackgroundTask
+
+from api import tgi
+from api.context import ServerContext, get_ctx
+from api.errors import error_route_class
+from api.inference import InferenceRequest, generate, new_request_id, resolve, submit, tokenize
+from api.mindie_schemas import (
+    NUL,
+    GenerateBody,
+    MindIEDetails,
+    MindIEInferRequest,
+    MindIEInferResponse,
+    MindIEPrefillToken,
+    MindIEStreamDetails,
+    MindIEStreamResponse,
+    MindIEStreamToken,
+    TokenizeRequest,
+    TokenizeResponse,
+    VLLMGenerateRequest,
+    VLLMGenerateResponse,
+)
+from api.openai import GREEDY_TEMPERATURE
+from api.pipeline import GenerationRequest, PipelineError, Submission
+from api.sse import event_stream
+from api.tgi import TGI, render_tgi_error
+from api.tgi_schemas import TGIGenerateResponse
+from common.protocol import TokenEvent
+
+log = logging.getLogger(__name__)
+
+REQUEST_UUID = "RequestUUID"
+NUL_STREAM = "application/octet-stream"  # vLLM 0.2.6 sets none; its client splits the body on NUL bytes
+DEFAULT_PRIORITY = 5
+
+
+def _uuid_route_class(base: type[APIRoute]) -> type[APIRoute]:
+    """``base`` whose routes give each request an id (``request.state.request_uuid``, which a handler may
+    replace by the pipeline's) and answer it in the ``RequestUUID`` header, errors included: the error
+    answers are made inside ``base``'s handler, so they pass here too. Only this router's routes carry it."""
+
+    class MindIERoute(base):  # type: ignore[misc, valid-type]
+        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+            handler = super().get_route_handler()
+
+            async def tagged(request: Request) -> Response:
+                request.state.request_uuid = new_request_id()
+                response = await handler(request)
+                response.headers[REQUEST_UUID] = request.state.request_uuid
+                return response
+
+            return tagged
+
+    return MindIERoute
+
+
+router = APIRouter(route_class=_uuid_route_class(error_route_class(render_tgi_error)), tags=["MindIE"])
+Ctx = Annotated[ServerContext, Depends(get_ctx)]
+
+
+def _error_event(exc: PipelineError) -> dict[str, str]:
+    return {"error": exc.message, "error_type": exc.error_type}
+
+
+def _timed_out(timeout: int) -> PipelineError:
+    return PipelineError(f"request timed out: its `timeout` of {timeout} s passed", "incomplete_generation")
+
+
+# ------------------------------------------------------------------------------- POST /generate
+
+
+@router.post(
+    "/generate",
+    responses={**tgi.ERROR_RESPONSES, 200: {
+        "model": TGIGenerateResponse | VLLMGenerateResponse,
+        "content": {NUL_STREAM: {}},
+        "description": "TGI's answer to an `inputs` body; vLLM 0.2.6's `{\"text\": [prompt + completion]}` to a "
+                       "`prompt` body, or with stream=true its NUL-delimited JSON objects `{\"text\": [delta]}`",
+    }},
+    summary="Generate text: TGI's body (`inputs`) or vLLM 0.2.6's (`prompt`)",
+)
+async def generate_route(
+    body: GenerateBody, ctx: Ctx, http: Request, x_request_id: tgi.RequestIdHeader = None
+) -> Response:
+    """One route, two dialects (see the module's docstring); ``x-request-id`` names the request in both."""
+    request_id = tgi.client_request_id(x_request_id)  # TGI's rule for the header, shared by both dialects
+    if request_id is not None:
+        http.state.request_uuid = request_id
+    if isinstance(body, VLLMGenerateRequest):
+        return await _vllm_generate(ctx, body, http)
+    return await tgi.generate_route(body, ctx, http, http.state.request_uuid)
+
+
+def vllm_inference_request(body: VLLMGenerateRequest, request_id: str) -> InferenceRequest:
+    """vLLM's fields in the pipeline's meaning: ``temperature`` below 1e-5 is greedy (vLLM samples with 1.0
+    when it is unset), ``top_k`` -1 or unset is off, ``max_tokens`` unset is maxIterTimes."""
+    temperature = 1.0 if body.temperature is None else body.temperature
+    greedy = temperature < GREEDY_TEMPERATURE
+    return InferenceRequest(
+        request_id=request_id,
+        prompt_field="prompt",
+        text=body.prompt,
+        do_sample=not greedy,
+        temperature=None if greedy else temperature,
+        top_k=0 if body.top_k is None or body.top_k == -1 else body.top_k,
+        top_p=body.top_p,
+        repetition_penalty=body.repetition_penalty,
+        seed=body.seed,
+        max_new_tokens=body.max_tokens,
+        default_max_new_tokens=None,
+        stop=body.stop or [],
+        stop_token_ids=body.stop_token_ids or [],
+        ignore_eos=bool(body.ignore_eos),
+    )
+
+
+async def _vllm_generate(ctx: ServerContext, body: VLLMGenerateRequest, http: Request) -> Response:
+    request = await resolve(ctx, TGI, vllm_inference_request(body, http.state.request_uuid))
+    if not body.stream:
+        result = await generate(ctx, TGI, request, http)
+        return JSONResponse(VLLMGenerateResponse(text=[body.prompt + result.finish.generated_text]).model_dump())
+    submission = await submit(ctx, TGI, request)
+    return StreamingResponse(_nul_stream(submission), media_type=NUL_STREAM,
+                             background=BackgroundTask(submission.close))  # in case the body never ran
+
+
+async def _nul_stream(submission: Submission) -> AsyncIterator[bytes]:
+    """Each token's text delta as ``{"text": [delta]}`` and a NUL byte; a failure as a last error object."""
+    try:
+        try:
+            async for event in submission.events():
+                yield orjson.dumps({"text": [event.token.text]}) + NUL
+        except PipelineError as exc:
+            yield orjson.dumps(_error_event(exc)) + NUL
+    finally:
+        await submission.close()
+
+
+# ------------------------------------------------------------------------------- POST /infer, /infer_token
+
+
+def infer_inference_request(body: MindIEInferRequest, request_id: str, stream: bool) -> InferenceRequest:
+    """The ``/infer`` body as TGI's parameters read (sampling on when a warper is set, ...)."""
+    params = body.parameters
+    if stream and params.decoder_input_details:
+        raise TGI.invalid("`decoder_input_details` == true is not supported when streaming tokens",
+                          "decoder_input_details")
+    if params.return_full_text and body.inputs is None:
+        raise TGI.invalid("`return_full_text` needs a text prompt (`inputs`), not `input_id`", "return_full_text")
+    prompt = {"prompt_field": "inputs", "text": body.inputs} if body.inputs is not None else {
+        "prompt_field": "input_id", "token_ids": body.input_id}
+    return InferenceRequest.with_sampling(
+        params,
+        request_id=request_id,
+        **prompt,
+        truncate=params.truncate,
+        do_sample=params.sampling,
+        stop=params.stop or [],
+        decoder_input_details=bool(params.decoder_input_details),
+    )
+
+
+def _full_text(body: MindIEInferRequest, generated: str) -> str:
+    return f"{body.inputs}{generated}" if body.parameters.return_full_text else generated
+
+
+INFER_RESPONSES = {
+    **tgi.ERROR_RESPONSES,
+    200: {"model": MindIEInferResponse, **tgi.SSE_CONTENT,
+          "description": "the generation, or with stream=true an SSE stream of MindIEStreamResponse events"},
+}
+
+
+@router.post("/infer", responses=INFER_RESPONSES, summary="Generate (MindIE): text `inputs` or token ids `input_id`")
+@router.post("/infer_token", responses=INFER_RESPONSES, summary="Generate (MindIE): same body as /infer")
+async def infer(body: MindIEInferRequest, ctx: Ctx, http: Request) -> Response:
+    timeout = body.parameters.timeout
+    deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+    request = await resolve(ctx, TGI, infer_inference_request(body, http.state.request_uuid, body.stream))
+    log.debug("priority %d (not applied yet)", body.parameters.priority or DEFAULT_PRIORITY)
+    if body.stream:
+        return await _infer_stream(ctx, body, request, deadline)
+    try:
+        async with asyncio.timeout_at(deadline):
+            result = await generate(ctx, TGI, request, http)
+    except TimeoutError:
+        assert timeout is not None
+        raise TGI.failure(_timed_out(timeout)) from None
+    finish = result.finish
+    prefill = [MindIEPrefillToken(id=t.id, text=t.text, logprob=t.logprob) for t in finish.prefill]
+    details = MindIEDetails(
+        finish_reason=finish.finish_reason,
+        generated_tokens=finish.generated_tokens,
+        generated_token_ids=[t.id for t in result.tokens],
+        seed=finish.seed,
+        prefill=prefill if body.parameters.decoder_input_details else None,
+    )
+    response = MindIEInferResponse(generated_text=_full_text(body, finish.generated_text), details=details)
+    return JSONResponse(response.model_dump(exclude=None if details.prefill is not None else {"details": {"prefill"}}))
+
+
+async def _infer_stream(
+    ctx: ServerContext, body: MindIEInferRequest, request: GenerationRequest, deadline: float | None
+) -> Response:
+    """Queue first (a refusal answers with a status), then one SSE event per token."""
+    queued_at = time.monotonic()
+    submission = await submit(ctx, TGI, request)
+
+    async def render(events: AsyncIterator[TokenEvent]) -> AsyncIterator[str]:
+        last, first, iterator = queued_at, True, aiter(events)
+        while True:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    event = await anext(iterator)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                submission.failure = "incomplete_generation"
+                assert body.parameters.timeout is not None
+                raise _timed_out(body.parameters.timeout) from None
+            now = time.monotonic()
+            millis, last = (now - last) * 1000, now
+            payload = MindIEStreamResponse(
+                prefill_time=millis if first else None,
+                decode_time=None if first else millis,
+                token=MindIEStreamToken(id=event.token.id, text=event.token.text),
+            )
+            first = False
+            if (finish := event.finish) is not None:
+                payload.generated_text = _full_text(body, finish.generated_text)
+                payload.details = MindIEStreamDetails(finish_reason=finish.finish_reason,
+                                                      generated_tokens=finish.generated_tokens, seed=finish.seed)
+            yield payload.model_dump_json(exclude=None if event.finish is not None else {"generated_text", "details"})
+
+    return event_stream(submission, render, lambda exc: orjson.dumps(_error_event(exc)).decode())
+
+
+# ------------------------------------------------------------------------------- POST /v1/tokenizer
+
+
+@router.post("/v1/tokenizer", response_model=TokenizeResponse, responses={422: tgi.ERROR_RESPONSES[422]},
+             summary="Tokenize a text with the served model's tokenizer (MindIE)")
+async def tokenizer(body: TokenizeRequest, ctx: Ctx) -> TokenizeResponse:
+    ids = await tokenize(ctx, body.inputs)
+    return TokenizeResponse(token_number=len(ids), tokens=ids)
+
