@@ -199,8 +199,8 @@ def test_the_vllm_engine_serves_the_same_adapter(redis_url: str, tiny_model_path
     try:
         for adapter in ("a", "None"):
             assert token_ids(generate(vllm, adapter_id=adapter)) == token_ids(generate(lora_stack, adapter_id=adapter))
-        seed = {key: value for key, value in SEED_PARAMETERS.items() if key != "typical_p"}  # vLLM has no typical_p
-        resp = post(vllm, "/", {"inputs": "My name is Olivier and I", "parameters": {**seed, "adapter_id": "a"}})
+        resp = post(vllm, "/", {"inputs": "My name is Olivier and I",
+                                "parameters": {**SEED_PARAMETERS, "adapter_id": "a"}})
         assert resp.status_code == 200, resp.text
         loaded = post(vllm, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": str(adapters["b"])})
         assert loaded.status_code == 200, loaded.text

@@ -12,7 +12,7 @@ What this engine leaves to vLLM and what it keeps, so both engines answer the sa
 - vLLM chooses tokens: greedy (``do_sample`` false) is temperature 0; seeded per request (``seed``), top-k/p
   and the repetition penalty as vLLM defines them; logprobs are those of the distribution sampled from
   (``logprobs_mode=processed_logprobs``), prompt logprobs for ``decoder_input_details``. vLLM has no
-  typical sampling: a request with ``typical_p`` < 1 is refused with a message saying so.
+  typical sampling: ``typical_p`` is accepted and not applied (SPEC.md lists it so; README "API examples").
 - Ferry keeps the text: vLLM returns token ids only (``detokenize=False``); the shared
   :class:`worker.engine.RequestState` makes the UTF-8-safe deltas, holds back and excludes stop strings and
   decides the finish reason. EOS is the model's generation-config EOS set, given to vLLM as stop token ids
@@ -150,8 +150,6 @@ class VllmEngine(Engine):
     # -- admission ---------------------------------------------------------------------------------
 
     def refusal(self, job: Job) -> str | None:
-        if job.params.do_sample and job.params.typical_p < 1.0:
-            return "typical_p is not supported by the vllm engine (vLLM has no typical sampling)"
         return limits_refusal(job, self.max_total_tokens, self._vocab_size)
 
     def has_room(self) -> bool:
