@@ -22,9 +22,24 @@ or ends its stream with that error event; ``e2eTimeout`` and ``tokenTimeout`` st
 wins). Their stream is SSE, one event per token with the pod's timings in ms: ``prefill_time`` on the
 first event (queueing to first token), ``decode_time`` on the others (since the previous token).
 
+MindIE's status, health and metrics routes (GET), each read from the live workers' reports in Redis
+(:func:`api.health.model_states`, the reader of ``/health`` and ``/metrics``) and the pod's own
+:class:`api.metrics.ApiMetrics`; Redis unreachable is a 503 ``unavailable``:
+
+- ``/v2/models/{m}/getSlotCount``: ``{"total_slots", "free_slots", "available_tokens_length"}`` summed over
+  the model's live workers (maxBatchSize, minus the requests running; KV tokens free). Unknown model: 404
+  ``{"error": "Model X not found.", "error_type": "NotFoundError"}``.
+- ``/v1/status`` and ``/v2/status`` (the same answer): :class:`api.mindie_schemas.StatusResponse`.
+- ``/health/timed`` and ``/health/timed-{N}`` (N seconds, 1 to 3600, default 10; anything else is a 422):
+  one real one-token generation through the pipeline within N seconds: 200 ``{"status": "healthy"}``, else
+  500 ``{"status": "unhealthy", "error"}`` (at once when no worker of the default model is alive). The probe
+  is a request like any other: it counts in the metrics.
+- ``/metrics-json``: :class:`api.mindie_schemas.MetricsJsonResponse`, the means read from the pod's
+  histograms (``collect()``), the counts from the workers' reports.
+
 Every response of these routes, errors included, carries a ``RequestUUID`` header (:func:`_uuid_route_class`):
 the pipeline's request id on the inference routes (``x-request-id`` when TGI's ``/generate`` got one), a new
-id on ``/v1/tokenizer``.
+id on the others.
 """
 
 from __future__ import annotations
@@ -36,14 +51,15 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Annotated, Any
 
 import orjson
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Path, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.background import BackgroundTask
 
 from api import tgi
 from api.context import ServerContext, get_ctx
-from api.errors import error_route_class
+from api.errors import ProtocolError, error_route_class
+from api.health import model_states
 from api.inference import InferenceRequest, generate, new_request_id, resolve, submit, tokenize
 from api.mindie_schemas import (
     NUL,
@@ -55,16 +71,23 @@ from api.mindie_schemas import (
     MindIEStreamDetails,
     MindIEStreamResponse,
     MindIEStreamToken,
+    MetricsJsonResponse,
+    ModelLoad,
+    ModelMetrics,
+    SlotCountResponse,
+    StatusResponse,
+    TimedHealthResponse,
     TokenizeRequest,
     TokenizeResponse,
     VLLMGenerateRequest,
     VLLMGenerateResponse,
 )
 from api.openai import GREEDY_TEMPERATURE
-from api.pipeline import GenerationRequest, PipelineError, Submission
+from api.pipeline import GenerationRequest, PipelineError, Submission, unready_reason
 from api.sse import event_stream
 from api.tgi import TGI, render_tgi_error
 from api.tgi_schemas import TGIGenerateResponse
+from common.cluster import ModelState
 from common.protocol import TokenEvent
 
 log = logging.getLogger(__name__)
@@ -72,6 +95,9 @@ log = logging.getLogger(__name__)
 REQUEST_UUID = "RequestUUID"
 NUL_STREAM = "application/octet-stream"  # vLLM 0.2.6 sets none; its client splits the body on NUL bytes
 DEFAULT_PRIORITY = 5
+DEFAULT_HEALTH_SECONDS = 10  # GET /health/timed
+MAX_HEALTH_SECONDS = 3600
+HEALTH_PROMPT = "hi"
 
 
 def _uuid_route_class(base: type[APIRoute]) -> type[APIRoute]:
@@ -284,3 +310,124 @@ async def tokenizer(body: TokenizeRequest, ctx: Ctx) -> TokenizeResponse:
     ids = await tokenize(ctx, body.inputs)
     return TokenizeResponse(token_number=len(ids), tokens=ids)
 
+
+
+# ------------------------------------------------------------------------------- status, health and metrics
+
+UNAVAILABLE = {503: {"model": tgi.TGIErrorResponse, "description": "Redis is unreachable"}}
+
+
+async def _states(ctx: ServerContext) -> dict[str, ModelState]:
+    """Every served model's workers and queue, by name; Redis unreachable is a 503."""
+    states = await model_states(ctx)
+    if states is None:
+        raise ProtocolError(503, "cannot read the workers' status: Redis is unreachable", "unavailable")
+    return {state.model: state for state in states}
+
+
+def _kv_free(state: ModelState) -> int:
+    return max(state.kv_budget_tokens - state.kv_reserved_tokens, 0)
+
+
+@router.get(
+    "/v2/models/{model}/getSlotCount",
+    response_model=SlotCountResponse,
+    responses={404: {"model": tgi.TGIErrorResponse, "description": "Unknown model"}, **UNAVAILABLE},
+    summary="Batch slots and KV tokens of the model's live workers (MindIE)",
+)
+async def slot_count(model: str, ctx: Ctx) -> SlotCountResponse:
+    """Summed over the live workers' last reports: ``total_slots`` their maxBatchSize (this pod's setting for
+    a worker too old to report it), ``free_slots`` those not running a request, ``available_tokens_length``
+    the KV tokens not held."""
+    if model not in ctx.models:
+        raise ProtocolError(404, f"Model {model} not found.", "NotFoundError")
+    state = (await _states(ctx))[model]
+    total = free = 0
+    for worker in state.workers:
+        if worker.status is not None:
+            slots = worker.status.max_batch_size or ctx.settings.max_batch_size
+            total += slots
+            free += max(slots - worker.status.batch_size, 0)
+    return SlotCountResponse(total_slots=total, free_slots=free, available_tokens_length=_kv_free(state))
+
+
+def _load(state: ModelState) -> ModelLoad:
+    return ModelLoad(live_workers=len(state.workers), waiting_requests=state.waiting,
+                     running_requests=state.batch_size, free_kv_tokens=_kv_free(state),
+                     total_kv_tokens=state.kv_budget_tokens)
+
+
+@router.get("/v1/status", response_model=StatusResponse, responses=UNAVAILABLE,
+            summary="Waiting and running requests and KV tokens of the served models (MindIE)")
+@router.get("/v2/status", response_model=StatusResponse, responses=UNAVAILABLE,
+            summary="Same as /v1/status (MindIE)")
+async def status(ctx: Ctx) -> StatusResponse:
+    """The default model's ``live_workers``, ``waiting_requests`` (queued, not running), ``running_requests``,
+    ``free_kv_tokens`` and ``total_kv_tokens`` (summed over its live workers' last reports) at the top level,
+    with ``model`` naming it; ``models`` maps every served model, the default included, to the same fields."""
+    models = {name: _load(state) for name, state in (await _states(ctx)).items()}
+    return StatusResponse(model=ctx.model.model_id, models=models, **models[ctx.model.model_id].model_dump())
+
+
+HealthSeconds = Annotated[int, Path(ge=1, le=MAX_HEALTH_SECONDS, description="seconds the generation may take")]
+TIMED_HEALTH_RESPONSES = {
+    200: {"model": TimedHealthResponse, "description": "a one-token generation answered in time"},
+    500: {"model": TimedHealthResponse, "description": "it failed or did not answer in time"},
+    422: tgi.ERROR_RESPONSES[422],
+}
+
+
+@router.get("/health/timed", response_model=TimedHealthResponse, responses=TIMED_HEALTH_RESPONSES,
+            summary=f"A one-token generation within {DEFAULT_HEALTH_SECONDS} s (MindIE)")
+async def timed_health(ctx: Ctx, http: Request) -> Response:
+    return await _timed_health(ctx, http, DEFAULT_HEALTH_SECONDS)
+
+
+@router.get("/health/timed-{seconds}", response_model=TimedHealthResponse, responses=TIMED_HEALTH_RESPONSES,
+            summary="A one-token generation within N seconds (MindIE)")
+async def timed_health_within(seconds: HealthSeconds, ctx: Ctx, http: Request) -> Response:
+    return await _timed_health(ctx, http, seconds)
+
+
+async def _timed_health(ctx: ServerContext, http: Request, seconds: int) -> Response:
+    """Generate one token of the default model through the pipeline (queue, a worker, the relay); past
+    ``seconds`` the request is cancelled (:meth:`api.pipeline.Submission.close`) and the answer is 500."""
+    probe = InferenceRequest(request_id=http.state.request_uuid, prompt_field="inputs", text=HEALTH_PROMPT,
+                             max_new_tokens=1)
+    error = await unready_reason(ctx)  # no live worker (or no Redis): unhealthy now, nothing queued
+    if error is None:
+        try:
+            async with asyncio.timeout(seconds):
+                await generate(ctx, TGI, await resolve(ctx, TGI, probe), http)
+        except TimeoutError:
+            error = f"no token within {seconds} s"
+        except ProtocolError as exc:
+            error = exc.message
+        else:
+            return JSONResponse(TimedHealthResponse(status="healthy").model_dump(exclude_none=True))
+    log.warning("timed health check failed: %s", error)
+    return JSONResponse(TimedHealthResponse(status="unhealthy", error=error).model_dump(), status_code=500)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
+
+
+@router.get("/metrics-json", response_model=MetricsJsonResponse, responses=UNAVAILABLE,
+            summary="Mean TTFT and time between tokens, waiting and running requests, as JSON (MindIE)")
+async def metrics_json(ctx: Ctx) -> MetricsJsonResponse:
+    """For the default model at the top level (``model`` names it) and every served model under ``models``:
+    ``avg_ttft_ms`` (queueing to the first token) and ``avg_tbt_ms`` (between two tokens of a request), the
+    means of this pod's observations since it started (null before the first), and ``waiting_requests`` /
+    ``processing_requests`` read from the workers' reports."""
+    metrics = ctx.metrics
+    models = {
+        name: ModelMetrics(
+            avg_ttft_ms=_ms(metrics.mean(metrics.time_to_first_token, name)),
+            avg_tbt_ms=_ms(metrics.mean(metrics.inter_token_latency, name)),
+            waiting_requests=state.waiting,
+            processing_requests=state.batch_size,
+        )
+        for name, state in (await _states(ctx)).items()
+    }
+    return MetricsJsonResponse(model=ctx.model.model_id, models=models, **models[ctx.model.model_id].model_dump())

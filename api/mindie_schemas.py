@@ -259,3 +259,56 @@ class TokenizeResponse(BaseModel):
     token_number: int
     tokens: list[int]
 
+
+
+# ------------------------------------------------------------------------------- status, health and metrics
+
+
+class SlotCountResponse(BaseModel):
+    """``GET /v2/models/{m}/getSlotCount``: summed over the model's live workers' last reports."""
+
+    total_slots: int = Field(ge=0, description="maxBatchSize of each live worker, summed")
+    free_slots: int = Field(ge=0, description="slots not running a request")
+    available_tokens_length: int = Field(ge=0, description="KV tokens not held by running requests")
+
+
+class ModelLoad(BaseModel):
+    """One model's load, from its live workers' last reports and its job stream."""
+
+    live_workers: int = Field(ge=0)
+    waiting_requests: int = Field(ge=0, description="queued, not running yet")
+    running_requests: int = Field(ge=0)
+    free_kv_tokens: int = Field(ge=0)
+    total_kv_tokens: int = Field(ge=0, description="maxBatchTotalTokens of each live worker, summed")
+
+
+class StatusResponse(ModelLoad):
+    """``GET /v1/status`` and ``/v2/status``: the default model's load at the top level, every served model's
+    (the default included) under ``models``."""
+
+    model: str = Field(description="the default model")
+    models: dict[str, ModelLoad]
+
+
+class TimedHealthResponse(BaseModel):
+    """``GET /health/timed``: 200 ``healthy``, or 500 ``unhealthy`` with the ``error``."""
+
+    status: str = Field(description="healthy or unhealthy")
+    error: str | None = None
+
+
+class ModelMetrics(BaseModel):
+    """One model's latencies as this pod measured them since it started, and its load from Redis."""
+
+    avg_ttft_ms: float | None = Field(description="mean time to first token, from queueing; null before one")
+    avg_tbt_ms: float | None = Field(description="mean time between two tokens of a request; null before one")
+    waiting_requests: int = Field(ge=0, description="queued, not running yet")
+    processing_requests: int = Field(ge=0, description="running on the live workers")
+
+
+class MetricsJsonResponse(ModelMetrics):
+    """``GET /metrics-json``: the default model's numbers at the top level, every served model's under
+    ``models``."""
+
+    model: str = Field(description="the default model")
+    models: dict[str, ModelMetrics]

@@ -32,6 +32,7 @@ from api.sse import event_stream
 from api.tgi_schemas import (
     TGIDetails,
     TGIErrorResponse,
+    InfoModel,
     TGIGenerateResponse,
     TGIInfo,
     TGIPrefillToken,
@@ -242,15 +243,26 @@ async def generate_stream_route(body: TGIRequest, ctx: Ctx, x_request_id: Reques
     return await _stream(ctx, body, client_request_id(x_request_id), "int")
 
 
-@router.get("/info", response_model=TGIInfo)
-async def info(ctx: Ctx) -> TGIInfo:
-    settings = ctx.settings
-    return TGIInfo(
+def _info_model(ctx: ServerContext) -> InfoModel:
+    return InfoModel(
         model_id=ctx.model.model_id,
         model_sha=None,
         model_dtype=ctx.model.dtype,
-        model_device_type=settings.device.split(":", 1)[0],
+        model_device_type=ctx.settings.device.split(":", 1)[0],
         model_pipeline_tag="text-generation",
+        max_total_tokens=ctx.max_total_tokens,
+    )
+
+
+@router.get("/info", response_model=TGIInfo)
+async def info(ctx: Ctx) -> TGIInfo:
+    """TGI's fields for the default model, and MindIE's ``models``: every served model, the default first."""
+    settings = ctx.settings
+    default = _info_model(ctx)
+    others = [_info_model(served) for name in ctx.models if name != ctx.model.model_id
+              if (served := ctx.for_model(name)) is not None]
+    return TGIInfo(
+        **default.model_dump(exclude={"max_total_tokens"}),
         max_concurrent_requests=settings.max_batch_size,
         max_best_of=1,
         max_stop_sequences=MAX_STOP_ITEMS,
@@ -263,6 +275,7 @@ async def info(ctx: Ctx) -> TGIInfo:
         version=__version__,
         sha=None,
         docker_label=None,
+        models=[default, *others],
     )
 
 

@@ -246,8 +246,21 @@ class TGIErrorResponse(BaseModel):
     error_type: Literal["validation", "generation", "overloaded", "incomplete_generation", "unhealthy"] | str
 
 
+class InfoModel(BaseModel):
+    """One served model in ``/info``'s ``models`` (MindIE's field)."""
+
+    model_id: str
+    model_sha: str | None
+    model_dtype: str
+    model_device_type: str
+    model_pipeline_tag: str | None
+    max_total_tokens: int
+
+
 class TGIInfo(BaseModel):
-    """``GET /info`` as TGI 0.9.4 reports it."""
+    """``GET /info`` as TGI 0.9.4 reports it (the default model), plus MindIE's ``models``: every served model,
+    the default first. TGI's ``max_batch_total_tokens``, ``max_concurrent_requests`` and ``max_best_of`` are
+    MindIE's fields too."""
 
     model_id: str
     model_sha: str | None
@@ -266,3 +279,4 @@ class TGIInfo(BaseModel):
     version: str
     sha: str | None
     docker_label: str | None
+    models: list[InfoModel]

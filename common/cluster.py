@@ -48,6 +48,19 @@ class ModelState(BaseModel):
         """KV budget held by running requests, summed over the live workers' last reports."""
         return sum(worker.status.kv_reserved_tokens for worker in self.workers if worker.status is not None)
 
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def kv_budget_tokens(self) -> int:
+        """KV budget (maxBatchTotalTokens), summed over the live workers' last reports."""
+        return sum(worker.status.kv_budget_tokens for worker in self.workers if worker.status is not None)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def waiting(self) -> int:
+        """Requests queued and not running: the jobs of the stream less those the workers report running (the
+        stream holds a job until it ends; a worker's report may be up to a heartbeat old, hence the floor)."""
+        return max(self.queue_depth - self.batch_size, 0)
+
 
 async def read_model_state(redis: Redis, model: str, now: float) -> ModelState:
     """The model's live workers and queue depth (raises RedisError when Redis is unreachable)."""

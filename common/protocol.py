@@ -131,6 +131,9 @@ class WorkerStatus(BaseModel):
     waiting: int = Field(ge=0, description="requests taken from the stream, not yet admitted")
     kv_reserved_tokens: int = Field(ge=0, description="KV budget held by the running requests")
     kv_budget_tokens: int = Field(gt=0, description="maxBatchTotalTokens")
+    max_batch_size: int = Field(
+        0, ge=0, description="maxBatchSize, the requests it may run at once; 0: not reported (an older worker)"
+    )
 
 
 class Control(BaseModel):

@@ -174,6 +174,7 @@ class WorkerLoop:
             waiting=engine.waiting,
             kv_reserved_tokens=engine.reserved_tokens,
             kv_budget_tokens=engine.kv_budget_tokens,
+            max_batch_size=self.settings.max_batch_size,
         )
 
     def apply_controls(self) -> None:
