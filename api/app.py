@@ -20,7 +20,7 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 
-from api import __version__, adapters, kserve, mindie, openai, ops, tgi
+from api import __version__, adapters, admin, kserve, mindie, openai, ops, tgi
 from api.context import ModelInfo, ServerContext
 from api.errors import ProtocolError
 from api.relay import EventRelay
@@ -126,5 +126,7 @@ def create_app(settings: Settings, redis: Redis | None = None) -> FastAPI:
     app.include_router(kserve.control_router)
     app.include_router(openai.router)
     app.include_router(ops.router)
+    app.include_router(admin.router)  # /v1/config, /stopService
+    app.add_middleware(admin.PlaneMiddleware, settings=settings, render=render_for_path)  # management, metrics ports
     app.openapi = partial(openapi_document, app)  # type: ignore[method-assign]  # FastAPI's documented hook
     return app

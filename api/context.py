@@ -81,6 +81,16 @@ class ModelInfo:
 
 
 @dataclass
+class Drain:
+    """The pod's stopService state, shared by every per-model copy of the context: once ``stopping``, the
+    pipeline refuses new requests (``stopping``, 503); ``force_at`` (event-loop time) ends the wait for the
+    requests in flight."""
+
+    stopping: bool = False
+    force_at: float | None = None
+
+
+@dataclass
 class ServerContext:
     """Everything a request handler needs; one per app, held on ``app.state.ctx``.
 
@@ -96,6 +106,7 @@ class ServerContext:
     models: dict[str, ModelInfo] = field(default_factory=dict)
     metrics: ApiMetrics = field(default_factory=ApiMetrics)
     media: MediaLoader | None = None  # None: one under ``settings``' rules
+    drain: Drain = field(default_factory=Drain)  # one object: for_model's copies share it
 
     def __post_init__(self) -> None:
         self.models.setdefault(self.model.model_id, self.model)

@@ -115,7 +115,7 @@ def _is_json(content_type: str | None) -> bool:
     return media_type == "application/json" or media_type.endswith("+json")
 
 
-def _authorized(request: Request) -> bool:
+def authorized(request: Request) -> bool:
     """Whether the request carries ``Authorization: Bearer <key>`` with one of the configured API keys (always
     true when none is configured). Compared in constant time with every key, so timing tells nothing."""
     keys = request.app.state.ctx.settings.api_keys
@@ -127,7 +127,7 @@ def _authorized(request: Request) -> bool:
     return scheme.lower() == "bearer" and any(matches)
 
 
-def _unauthorized(render: Callable[[ProtocolError], Response]) -> Response:
+def unauthorized(render: Callable[[ProtocolError], Response]) -> Response:
     message = "a valid API key is required: send `Authorization: Bearer <key>`"
     response = render(ProtocolError(401, message, "invalid_api_key"))
     response.headers["WWW-Authenticate"] = "Bearer"
@@ -147,8 +147,8 @@ def error_route_class(
 
             async def guarded(request: Request) -> Response:
                 request = LimitedRequest(request.scope, request.receive)
-                if request.method == "POST" and not _authorized(request):
-                    return _unauthorized(render)
+                if request.method == "POST" and not authorized(request):
+                    return unauthorized(render)
                 if require_json and request.method == "POST" and not _is_json(request.headers.get("content-type")):
                     message = f"Content-Type must be application/json, not {request.headers['content-type']}"
                     return render(ProtocolError(415, message, "validation"))

@@ -44,6 +44,7 @@ REST_STATUSES: Mapping[str, int] = MappingProxyType({
     "incomplete_generation": 500,
     "overloaded": 503,
     "unavailable": 503,
+    "stopping": 503,
     "client_disconnected": 499,
 })
 

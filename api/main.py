@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 import ssl
 import sys
 from typing import Any
@@ -38,23 +39,47 @@ def check_models(settings: Settings, prog: str) -> None:
             raise SystemExit(1) from None
 
 
+class PodServer(uvicorn.Server):
+    """uvicorn's server on the pod's listening sockets: the business port, and the management and metrics
+    ports when they are set apart (one server, one app, several sockets; :class:`api.admin.PlaneMiddleware`
+    tells the ports apart). With one listener it binds as uvicorn does."""
+
+    def __init__(self, config: uvicorn.Config, listeners: list[uvicorn.Config]) -> None:
+        super().__init__(config)
+        self.listeners = listeners
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        if sockets is None and self.listeners:
+            sockets = [listener.bind_socket() for listener in self.listeners]  # each logs its address
+        await super().serve(sockets)
+
+    def stop(self, force: bool = False) -> None:
+        """Stop as SIGTERM does (uvicorn's graceful shutdown, then the lifespan's); ``force``: without waiting
+        for the connections still open."""
+        self.should_exit = True
+        if force:
+            self.force_exit = True
+
+
 def api_server(settings: Settings, prog: str) -> uvicorn.Server:
     """The API app under uvicorn, for :func:`run_server`; ``server.should_exit = True`` stops it from any
-    thread."""
+    thread, as does ``GET /stopService`` (through ``app.state.stop_server``)."""
     configure_logging(settings.log_format, settings.log_level)
     check_models(settings, prog)
     app = create_app(settings)
     freeze_startup_heap()
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
+    options: dict[str, Any] = dict(
         log_config=None,  # uvicorn's records go through configure_logging's handler (LOG_FORMAT)
         # Open streams get shutdownGraceSeconds to finish (api/sse.py), then a little for the rest.
         timeout_graceful_shutdown=settings.shutdown_grace_seconds + 5,
         **tls_options(settings),
     )
-    return uvicorn.Server(config)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, **options)
+    addresses = list(settings.listeners)
+    listeners = [uvicorn.Config(app, host=host, port=port, **options) for host, port in addresses]
+    server = PodServer(config, listeners if len(listeners) > 1 else [])
+    app.state.stop_server = server.stop
+    return server
 
 
 def run_server(server: uvicorn.Server) -> None:

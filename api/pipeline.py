@@ -54,8 +54,8 @@ MAX_STOP_TOTAL_CHARS = 32768
 class PipelineError(Exception):
     """A request the pipeline could not complete. ``error_type`` says why; each adapter maps it to its
     protocol's status: ``generation`` (the worker failed), ``overloaded`` (queue or connection limit),
-    ``incomplete_generation`` (a timeout), ``unavailable`` (Redis unreachable), ``validation`` (a request id
-    already in flight)."""
+    ``incomplete_generation`` (a timeout), ``unavailable`` (Redis unreachable), ``stopping`` (stopService was
+    called: 503 on every protocol), ``validation`` (a request id already in flight)."""
 
     def __init__(self, message: str, error_type: str) -> None:
         super().__init__(message)
@@ -131,7 +131,10 @@ def validate_stop(value: list[str] | str | None) -> list[str]:
 
 
 async def unready_reason(ctx: ServerContext) -> str | None:
-    """Why the pod cannot serve now (Redis down, no live worker of the model), or None when it can."""
+    """Why the pod cannot serve now (draining after stopService, Redis down, no live worker of the model), or
+    None when it can: /health answers 503 then, so a load balancer stops sending requests here."""
+    if ctx.drain.stopping:
+        return "the pod is stopping (stopService): it takes no new request"
     try:
         workers = await live_workers(ctx.redis, ctx.model.model_id, time.time())
     except Exception as exc:  # Redis unreachable: not ready, never a 500
@@ -306,9 +309,11 @@ async def _queue(ctx: ServerContext, request: GenerationRequest) -> Submission:
     Raises :class:`PipelineError`: ``overloaded`` past maxLinkNum requests on this pod or maxQueueSize jobs
     queued or running for the model, ``validation`` for a request id already in flight or a LoRA adapter the
     model does not have, ``unavailable``
-    when Redis cannot be reached. The relay is listening before the job is queued.
+    when Redis cannot be reached, ``stopping`` once stopService was called. The relay is listening before the job is queued.
     """
     settings = ctx.settings
+    if ctx.drain.stopping:
+        raise PipelineError("this server is stopping (stopService); send the request to another server", "stopping")
     if not ctx.relay.connected:
         raise PipelineError("not connected to Redis; retry later", "unavailable")
     if ctx.relay.in_flight >= settings.max_link_num:

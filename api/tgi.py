@@ -60,6 +60,7 @@ ERROR_RESPONSES = {
     424: {"model": TGIErrorResponse, "description": "Generation error"},
     429: {"model": TGIErrorResponse, "description": "Overloaded: queue or connection limit reached"},
     500: {"model": TGIErrorResponse, "description": "Incomplete generation (timed out)"},
+    503: {"model": TGIErrorResponse, "description": "The server is stopping (stopService)"},
 }
 
 
@@ -70,6 +71,7 @@ TGI = Protocol(
         "generation": 424,
         "unavailable": 424,
         "overloaded": 429,
+        "stopping": 503,  # stopService: this pod is going away; a retry belongs on another pod
         "incomplete_generation": 500,
         "client_disconnected": 499,
     },

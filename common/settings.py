@@ -188,6 +188,28 @@ def flatten_config(data: Any) -> dict[str, Any]:
     return flat
 
 
+def effective_config(settings: "Settings") -> dict[str, Any]:
+    """The settings in the config file's nested layout (the inverse of :func:`flatten_config`), without
+    secrets: no ``apiKeys``, the Redis password masked in ``redisUrl``. The served models are ``ModelConfig``
+    (the default one first), so the flat-only ``modelName`` / ``modelWeightPath`` are not repeated."""
+    values = settings.model_dump(mode="json")
+    result: dict[str, Any] = {"ServerConfig": {}, "LogConfig": {}, "BackendConfig": {}}
+    for key, (section, _, name) in _setting_keys().items():
+        if section is None or key == "apiKeys":
+            continue
+        if key == "redisUrl":
+            value: Any = settings.redis_location
+        elif key == "ModelConfig":
+            value = [entry.model_dump(mode="json", by_alias=True) for entry in settings.served_models]
+        else:
+            value = values[name]
+        node = result
+        for part in SECTION_PATHS[section]:
+            node = node.setdefault(part, {})
+        node[key] = value
+    return result
+
+
 class _JsonConfigSource(PydanticBaseSettingsSource):
     """Reads the optional JSON config file named by FERRY_CONFIG (nested sections or flat keys)."""
 
@@ -255,6 +277,20 @@ class Settings(BaseSettings):
     tls_ca_certs: Path | None = Field(
         None, description="PEM CA bundle: when set, clients must present a certificate it signed (mutual TLS)",
         **_spec("ServerConfig", "tlsCaCerts", "TLS_CA_CERTS"),
+    )
+    management_host: str | None = Field(
+        None, min_length=1, description="address of the management plane (default: ipAddress)",
+        **_spec("ServerConfig", "managementIpAddress", "MANAGEMENT_HOST"),
+    )
+    management_port: int = Field(
+        0, ge=0, le=65535, description="port of the management plane (health, status, metrics, stopService); "
+        "0 or the business port: none, everything on the business port",
+        **_spec("ServerConfig", "managementPort", "MANAGEMENT_PORT"),
+    )
+    metrics_port: int = Field(
+        0, ge=0, le=65535, description="port serving /metrics and /metrics-json beside the business port "
+        "(on managementIpAddress, else ipAddress); 0 or the business port: none",
+        **_spec("ServerConfig", "metricsPort", "METRICS_PORT"),
     )
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list, description="accepted `Authorization: Bearer` keys; empty: no auth",
@@ -433,6 +469,9 @@ class Settings(BaseSettings):
                     raise ValueError(f"{key}: no such file {path}")
         elif self.tls_ca_certs is not None:
             raise ValueError("tlsCaCerts (mutual TLS) needs httpsEnabled")
+        if self.management_host is not None and self.management_port in (0, self.port) and self.metrics_port in (
+                0, self.port):
+            raise ValueError("managementIpAddress needs a managementPort or metricsPort other than port")
         redis_tls = {"redisTlsCaCerts": self.redis_tls_ca_certs, "redisTlsCert": self.redis_tls_cert,
                      "redisTlsKey": self.redis_tls_key}
         given = [key for key, path in redis_tls.items() if path is not None]
@@ -444,6 +483,18 @@ class Settings(BaseSettings):
             if not redis_tls[key].is_file():
                 raise ValueError(f"{key}: no such file {redis_tls[key]}")
         return self
+
+    @property
+    def listeners(self) -> dict[tuple[str, int], frozenset[str]]:
+        """Each (host, port) the API pod listens on and the planes it serves there: ``business`` (every
+        route), ``management`` (health, status, metrics, stopService), ``metrics`` (the metrics routes).
+        A management or metrics port left 0 or equal to the business port adds nothing."""
+        result: dict[tuple[str, int], set[str]] = {(self.host, self.port): {"business"}}
+        host = self.management_host or self.host
+        for plane, port in (("management", self.management_port), ("metrics", self.metrics_port)):
+            if port not in (0, self.port):
+                result.setdefault((host, port), set()).add(plane)
+        return {address: frozenset(planes) for address, planes in result.items()}
 
     @property
     def redis_location(self) -> str:
