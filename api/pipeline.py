@@ -308,8 +308,8 @@ async def _queue(ctx: ServerContext, request: GenerationRequest) -> Submission:
 
     Raises :class:`PipelineError`: ``overloaded`` past maxLinkNum requests on this pod or maxQueueSize jobs
     queued or running for the model, ``validation`` for a request id already in flight or a LoRA adapter the
-    model does not have, ``unavailable``
-    when Redis cannot be reached, ``stopping`` once stopService was called. The relay is listening before the job is queued.
+    model does not have, ``unavailable`` when Redis cannot be reached, ``stopping`` once stopService was
+    called. The relay is listening before the job is queued.
     """
     settings = ctx.settings
     if ctx.drain.stopping:
