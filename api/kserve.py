@@ -59,6 +59,7 @@ from api.kserve_schemas import (
     StopInferRequest,
 )
 from api.inference import REST_STATUSES, InferenceRequest, Protocol, generate, resolve, resolve_ids, submit
+from api.metrics import series
 from api.pipeline import GenerationRequest, GenerationResult, send_control, unready_reason
 from api.sse import event_stream
 from common import keys
@@ -295,15 +296,8 @@ async def model_ready(ctx: Ctx) -> Response:
     return await _require_ready(ctx)
 
 
-def _samples(metric: MetricWrapperBase, model: str) -> dict[str, float]:
-    """One model's samples of a pod metric, by suffix: ``_count`` and ``_sum`` of a histogram, ``""`` of a gauge."""
-    [family] = metric.collect()
-    return {sample.name.removeprefix(family.name): sample.value
-            for sample in family.samples if sample.labels.get("model") == model}
-
-
 def _duration(metric: MetricWrapperBase, model: str) -> StatisticDuration:
-    samples = _samples(metric, model)
+    samples = series(metric, model)
     return StatisticDuration(count=int(samples.get("_count", 0)), ns=round(samples.get("_sum", 0.0) * 1e9))
 
 
@@ -314,7 +308,7 @@ def _statistics(ctx: ServerContext, model: str) -> ModelStatistics:
     return ModelStatistics(
         name=model,
         version=MODEL_VERSION,
-        last_inference=round(_samples(metrics.last_request_end, model).get("", 0.0) * 1000),
+        last_inference=round(series(metrics.last_request_end, model).get("", 0.0) * 1000),
         inference_count=success.count,
         execution_count=success.count,
         inference_stats=InferenceStatistics(

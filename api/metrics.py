@@ -144,13 +144,13 @@ class ApiMetrics:
         return generate_latest(self.registry)
 
 
-def series(metric: MetricWrapperBase, model: str, label: str = "model") -> dict[str, float]:
+def series(metric: MetricWrapperBase, model: str) -> dict[str, float]:
     """One model's samples of a metric, by suffix: ``_count`` and ``_sum`` of a histogram, ``""`` of a gauge
     (summed over the other labels)."""
     [family] = metric.collect()
     found: dict[str, float] = {}
     for sample in family.samples:
-        if sample.labels.get(label) == model:
+        if sample.labels.get("model") == model:
             suffix = sample.name.removeprefix(family.name)
             found[suffix] = found.get(suffix, 0.0) + sample.value
     return found
