@@ -1,36 +1,40 @@
 """Every Redis key and channel name the system uses, in one place.
 
-- ``ferry:{model}:jobs``: the model's job stream. Each entry has one field, ``job``, the JSON of a
+The braces are Redis Cluster hash tags: every key of a model hashes by the model's name alone, so they all sit
+in one slot (one shard), multi-key commands and pipelines on them stay on one node, and different models
+spread over the shards. A pod's request channels hash by the pod's id, so each pod's events go to one shard.
+
+- ``ferry:{<model>}:jobs``: the model's job stream. Each entry has one field, ``job``, the JSON of a
   :class:`common.protocol.Job`. Workers XACK and XDEL an entry when the request is done, so the
   stream's length is the number of requests queued or running (the API's queue bound).
-- ``ferry:{model}:workers``: the consumer group all workers of that model read from. A pool (cpu, cuda,
+- ``ferry:{<model>}:workers``: the consumer group all workers of that model read from. A pool (cpu, cuda,
   npu) is a set of consumers in that group: a second group on the same stream would receive every job a
   second time, so pools of one model share the group and differ only in consumer names.
-- ``ferry:{model}:heartbeats``: sorted set of the model's worker consumers, scored by the unix time
+- ``ferry:{<model>}:heartbeats``: sorted set of the model's worker consumers, scored by the unix time
   their heartbeat expires; a worker is alive while its score is in the future.
-- ``ferry:{model}:worker:{consumer}``: the JSON of a :class:`common.protocol.WorkerStatus` (batch size, KV
+- ``ferry:{<model>}:worker:{consumer}``: the JSON of a :class:`common.protocol.WorkerStatus` (batch size, KV
   budget used, ...), rewritten by the worker with every heartbeat and expiring with it; read by the API's
   metrics and ``ferry-status``.
-- ``ferry:{model}:control``: pub/sub channel every worker of the model listens to for
+- ``ferry:{<model>}:control``: pub/sub channel every worker of the model listens to for
   :class:`common.protocol.Control` messages (cancel a request whose client left, stop one on request).
-- ``ferry:{model}:control:{request_id}``: the same control message kept as a key (with a TTL), for a
+- ``ferry:{<model>}:control:{request_id}``: the same control message kept as a key (with a TTL), for a
   worker that reads the job from the stream only after the message was published.
-- ``ferry:{model}:inflight:{request_id}``: exists while the request is in flight (SET NX by the API
+- ``ferry:{<model>}:inflight:{request_id}``: exists while the request is in flight (SET NX by the API
   pod that took it, with a TTL): client-chosen request ids are unique while in flight, and a stop
   request for an unknown id is answered 404. Its value is the job's id (the ``request_id`` of the
   :class:`common.protocol.Job`, which the control key, the control messages and the events channel use):
   the client's id plus a nonce, so nothing of an earlier request with the same client id reaches a new one.
-- ``ferry:{model}:adapters``: hash of the model's LoRA adapters, name -> folder: the configured ones
+- ``ferry:{<model>}:adapters``: hash of the model's LoRA adapters, name -> folder: the configured ones
   (``loraModules``, written by every API pod at start-up) and those loaded at run time
   (``/v1/load_lora_adapter``). API pods accept a request for an adapter only while it is here; workers load
   an adapter from the folder its job names the first time they see it, and free it after an
   ``unload_adapter`` control message once no running request uses it.
-- ``ferry:{model}:media:{request_id}:{n}``: the bytes of the request's n-th media item (multimodal list
+- ``ferry:{<model>}:media:{request_id}:{n}``: the bytes of the request's n-th media item (multimodal list
   input), SET by the API pod before it queues the job (whose :class:`common.protocol.MediaRef` names the key)
   and deleted by that pod when the request ends; its TTL (e2eTimeout + 60 s) removes it if the pod dies first.
   Media never travels inside the job stream entry.
-- ``ferry:events:{api_id}:{request_id}``: the per-request pub/sub channel. Each API pod pattern-subscribes
-  to ``ferry:events:{api_id}:*`` once at start-up, so it is subscribed to a request's channel before it
+- ``ferry:events:{<api_id>}:<request_id>``: the per-request pub/sub channel. Each API pod pattern-subscribes
+  to ``ferry:events:{<api_id>}:*`` once at start-up, so it is subscribed to a request's channel before it
   queues the request's job and no first token can be missed.
 """
 
@@ -50,12 +54,17 @@ ACL_RULES = (
 )
 
 
+def _model(model: str) -> str:
+    """The prefix of a model's keys, hash-tagged by the model's name (a name holds no brace: Settings)."""
+    return f"{PREFIX}:{{{model}}}"
+
+
 def job_stream(model: str) -> str:
-    return f"{PREFIX}:{model}:jobs"
+    return f"{_model(model)}:jobs"
 
 
 def worker_group(model: str) -> str:
-    return f"{PREFIX}:{model}:workers"
+    return f"{_model(model)}:workers"
 
 
 def consumer_name(pool: str, host: str, pid: int) -> str:
@@ -69,44 +78,44 @@ def parse_consumer_name(consumer: str) -> tuple[str, str, int]:
 
 
 def heartbeats(model: str) -> str:
-    return f"{PREFIX}:{model}:heartbeats"
+    return f"{_model(model)}:heartbeats"
 
 
 def worker_status(model: str, consumer: str) -> str:
-    return f"{PREFIX}:{model}:worker:{consumer}"
+    return f"{_model(model)}:worker:{consumer}"
 
 
 def model_in_key(key: str) -> str:
     """The model in a :func:`job_stream` or :func:`heartbeats` key name (to discover a Redis's models)."""
-    return key.removeprefix(f"{PREFIX}:").rsplit(":", 1)[0]
+    return key.removeprefix(f"{PREFIX}:{{").rsplit("}:", 1)[0]
 
 
 def control_channel(model: str) -> str:
-    return f"{PREFIX}:{model}:control"
+    return f"{_model(model)}:control"
 
 
 def control_key(model: str, request_id: str) -> str:
-    return f"{PREFIX}:{model}:control:{request_id}"
+    return f"{_model(model)}:control:{request_id}"
 
 
 def inflight_key(model: str, request_id: str) -> str:
-    return f"{PREFIX}:{model}:inflight:{request_id}"
+    return f"{_model(model)}:inflight:{request_id}"
 
 
 def adapters_key(model: str) -> str:
-    return f"{PREFIX}:{model}:adapters"
+    return f"{_model(model)}:adapters"
 
 
 def media_key(model: str, request_id: str, index: int) -> str:
-    return f"{PREFIX}:{model}:media:{request_id}:{index}"
+    return f"{_model(model)}:media:{request_id}:{index}"
 
 
 def events_pattern(api_id: str) -> str:
-    return f"{PREFIX}:events:{api_id}:*"
+    return f"{PREFIX}:events:{{{api_id}}}:*"
 
 
 def events_channel(api_id: str, request_id: str) -> str:
-    return f"{PREFIX}:events:{api_id}:{request_id}"
+    return f"{PREFIX}:events:{{{api_id}}}:{request_id}"
 
 
 def request_id_of(channel: str) -> str:

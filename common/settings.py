@@ -129,7 +129,7 @@ class ModelEntry(BaseModel):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
 
-    name: str = Field(min_length=1, alias="modelName")
+    name: str = Field(min_length=1, pattern=r"^[^{}]+$", alias="modelName")
     path: Path = Field(alias="modelWeightPath")
     lora_modules: dict[Annotated[str, Field(pattern=ADAPTER_NAME_PATTERN)], str] = Field(
         default_factory=dict, alias="loraModules",
@@ -460,6 +460,8 @@ class Settings(BaseSettings):
             if name not in names:
                 raise ValueError(f"modelName `{name}` (MODEL_NAME / --model-name) is not in ModelConfig: {names}")
             self.model_name, self.model_path = name, self.models[names.index(name)].path
+        if "{" in self.served_model_name or "}" in self.served_model_name:  # braces are Redis hash tags (common.keys)
+            raise ValueError(f"the model name `{self.served_model_name}` must not contain braces")
         if self.https_enabled:
             for key, path in (("tlsCert", self.tls_cert), ("tlsPk", self.tls_pk)):
                 if path is None:

@@ -161,7 +161,7 @@ def stop_stack(stack: Stack) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
     client = redis.Redis.from_url(stack.redis_url)
-    keys = list(client.scan_iter(match=f"ferry:{stack.model_name}:*"))
+    keys = list(client.scan_iter(match=f"ferry:{{{stack.model_name}}}:*"))
     if keys:
         client.delete(*keys)
     client.close()

@@ -66,7 +66,7 @@ def test_embedded_server_answers(tmp_path: Path, tiny_model_path: Path, redis_ki
         assert resp.json()[0]["details"]["generated_tokens"] == 5
         assert httpx.get(f"{base_url}/info").json()["model_id"] == "tiny-llama"
         client = redis.Redis(port=redis_port)
-        assert client.exists("ferry:tiny-llama:jobs")  # the job stream of the request above
+        assert client.exists("ferry:{tiny-llama}:jobs")  # the job stream of the request above
         client.close()
     finally:
         stop(proc)

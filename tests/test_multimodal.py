@@ -199,7 +199,7 @@ def test_media_leave_redis_with_their_request(vlm_stack: Stack) -> None:
     assert generate(vlm_stack, items(TEXT, "test.png")).status_code == 200
     client = redis.Redis.from_url(vlm_stack.redis_url)
     try:
-        assert list(client.scan_iter(match=f"ferry:{vlm_stack.model_name}:media:*")) == []
+        assert list(client.scan_iter(match=f"ferry:{{{vlm_stack.model_name}}}:media:*")) == []
     finally:
         client.close()
 
