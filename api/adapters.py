@@ -15,6 +15,7 @@ from pathlib import Path
 
 from api.context import ServerContext
 from common import keys
+from common.connection import publish
 from common.protocol import Control
 
 ADAPTER_CONFIG = "adapter_config.json"  # peft's save_pretrained writes it beside the weights
@@ -67,5 +68,6 @@ async def remove(ctx: ServerContext, name: str) -> bool:
     model = ctx.model.model_id
     if not await ctx.redis.hdel(keys.adapters_key(model), name):
         return False
-    await ctx.redis.publish(keys.control_channel(model), Control(request_id=name, action="unload_adapter").model_dump_json())
+    await publish(ctx.redis, ctx.settings.redis_cluster, keys.control_channel(model),
+                  Control(request_id=name, action="unload_adapter").model_dump_json())
     return True

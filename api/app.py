@@ -16,14 +16,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.openapi.utils import get_openapi
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 
 from api import __version__, adapters, admin, kserve, mindie, openai, ops, tgi
 from api.context import ModelInfo, ServerContext
 from api.errors import ProtocolError
 from api.relay import EventRelay
+from common.connection import REDIS_ERRORS, AsyncRedis, async_client
 from common.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -37,14 +36,6 @@ PATH_ERRORS: tuple[tuple[str, Callable[[ProtocolError], Response]], ...] = (
     ("/v1", openai.render_openai_error),
     ("/v2", kserve.render_kserve_error),
 )
-
-
-def redis_client(settings: Settings) -> Redis:
-    """The pod's Redis client: a bounded pool that makes a command wait for a connection, not fail."""
-    pool = BlockingConnectionPool.from_url(
-        settings.redis_url, max_connections=REDIS_POOL_SIZE, timeout=REDIS_POOL_WAIT_SECONDS, **settings.redis_options
-    )
-    return Redis.from_pool(pool)
 
 
 def render_for_path(path: str) -> Callable[[ProtocolError], Response]:
@@ -86,14 +77,14 @@ def openapi_document(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
-def create_app(settings: Settings, redis: Redis | None = None) -> FastAPI:
+def create_app(settings: Settings, redis: AsyncRedis | None = None) -> FastAPI:
     """Build the app. ``redis`` may be injected (tests); by default it is made from ``settings.redis_url``."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        client = redis if redis is not None else redis_client(settings)
+        client = redis if redis is not None else async_client(settings, REDIS_POOL_SIZE, REDIS_POOL_WAIT_SECONDS)
         api_id = uuid.uuid4().hex[:12]
-        relay = EventRelay(client, api_id)
+        relay = EventRelay(client, api_id, sharded=settings.redis_cluster)
         await relay.start()
         models = {entry.name: ModelInfo.load(settings, entry) for entry in settings.served_models}
         default = next(iter(models.values()))
@@ -104,7 +95,7 @@ def create_app(settings: Settings, redis: Redis | None = None) -> FastAPI:
         )
         try:
             await adapters.register_configured(app.state.ctx)
-        except RedisError as exc:  # requests for them are refused until a pod registers them
+        except REDIS_ERRORS as exc:  # requests for them are refused until a pod registers them
             log.error("could not register the configured LoRA adapters: Redis unreachable (%s)", exc)
         try:
             yield

@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import Request
-from redis.asyncio import Redis
 
 from api.media import MediaLoader
 from api.metrics import ApiMetrics
 from api.relay import EventRelay
 from api.tokenizer import ApiTokenizer
+from common.connection import AsyncRedis
 from common.model_files import ModelUnavailable, declared_media, model_file, optional_model_file
 from common.protocol import MediaKind
 from common.settings import ModelEntry, Settings
@@ -99,7 +99,7 @@ class ServerContext:
     """
 
     settings: Settings
-    redis: Redis
+    redis: AsyncRedis
     relay: EventRelay
     model: ModelInfo
     api_id: str

@@ -21,6 +21,8 @@ from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
+from common.connection import REDIS_ERRORS
+
 log = logging.getLogger(__name__)
 
 VALIDATION_PREFIX = "Input validation error: "
@@ -166,6 +168,8 @@ def error_route_class(
                     return render(ProtocolError(validation_status, message, "validation"))
                 except ProtocolError as exc:
                     return render(exc)
+                except REDIS_ERRORS as exc:  # a route's own Redis command (the pipeline words its own)
+                    return render(ProtocolError(503, f"Redis is unreachable: {exc}", "unavailable"))
 
             return guarded
 

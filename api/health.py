@@ -6,17 +6,16 @@ import logging
 import time
 
 from pydantic import BaseModel, Field
-from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from api.context import ServerContext
 from common import keys
 from common.cluster import ModelState, read_model_state
+from common.connection import REDIS_ERRORS, AsyncRedis
 
 log = logging.getLogger(__name__)
 
 
-async def live_workers(redis: Redis, model: str, now: float) -> int:
+async def live_workers(redis: AsyncRedis, model: str, now: float) -> int:
     """Workers whose heartbeat has not expired (see :func:`common.keys.heartbeats`)."""
     return await redis.zcount(keys.heartbeats(model), now, "+inf")
 
@@ -26,7 +25,7 @@ async def model_states(ctx: ServerContext) -> list[ModelState] | None:
     now = time.time()
     try:
         return [await read_model_state(ctx.redis, model, now) for model in ctx.models]
-    except (RedisError, OSError) as exc:
+    except (*REDIS_ERRORS, OSError) as exc:
         log.warning("cannot read the models' state from Redis: %s", exc)
         return None
 

@@ -27,7 +27,6 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client.metrics import MetricWrapperBase
 from pydantic import ValidationError
-from redis.exceptions import RedisError
 from sse_starlette import EventSourceResponse
 
 from api import __version__
@@ -63,6 +62,7 @@ from api.metrics import series
 from api.pipeline import GenerationRequest, GenerationResult, send_control, unready_reason
 from api.sse import event_stream
 from common import keys
+from common.connection import REDIS_ERRORS
 from common.protocol import Control, TokenEvent
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -407,6 +407,6 @@ async def stop_infer(body: StopInferRequest, ctx: Ctx) -> StopInferRequest:
         if job_id is None:
             raise ProtocolError(404, f"request {body.id} is not in flight", "NotFoundError")
         await send_control(ctx, Control(request_id=job_id.decode(), action="stop"))
-    except RedisError as exc:
+    except REDIS_ERRORS as exc:
         raise ProtocolError(503, f"the job queue is unreachable: {exc}", "unavailable") from None
     return body

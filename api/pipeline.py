@@ -17,13 +17,14 @@ from collections.abc import AsyncIterator
 
 import anyio
 from pydantic import BaseModel, Field
-from redis.exceptions import RedisError
 from starlette.requests import Request
 
 from api.context import ServerContext
 from api.health import live_workers
 from api.media import MediaData
+from api.relay import RelayUnavailable
 from common import keys
+from common.connection import REDIS_ERRORS, publish
 from common.logs import bind_request_id
 from common.protocol import (
     ADAPTER_NAME_PATTERN,
@@ -245,7 +246,7 @@ class Submission:
                 if self.finish is None:
                     await send_control(ctx, Control(request_id=self.job.request_id, action="cancel"))
                 await ctx.redis.delete(keys.inflight_key(model, self.request_id), *(ref.key for ref in self.job.media))
-            except RedisError:
+            except REDIS_ERRORS:
                 log.warning("could not release request %s: Redis unreachable", self.request_id)
 
     def _record(self) -> None:
@@ -270,7 +271,7 @@ async def send_control(ctx: ServerContext, control: Control) -> None:
     payload = control.model_dump_json()
     pipe = ctx.redis.pipeline(transaction=False)
     pipe.set(keys.control_key(model, control.request_id), payload, ex=int(ctx.settings.e2e_timeout) + 60)
-    pipe.publish(keys.control_channel(model), payload)
+    publish(pipe, ctx.settings.redis_cluster, keys.control_channel(model), payload)
     await pipe.execute()
 
 
@@ -338,7 +339,10 @@ async def _queue(ctx: ServerContext, request: GenerationRequest) -> Submission:
     stream, inflight = keys.job_stream(job.model), keys.inflight_key(job.model, request.request_id)
     # Registering takes one of the pod's maxLinkNum places with no await since the check above, so
     # concurrent requests cannot all pass the check; every failure below gives the place back.
-    queue = ctx.relay.register(job_id)
+    try:
+        queue = await ctx.relay.register(job_id)
+    except RelayUnavailable as exc:
+        raise PipelineError(f"the events relay is unavailable: {exc}", "unavailable") from None
     try:
         pipe = ctx.redis.pipeline(transaction=False)
         pipe.set(inflight, job_id, nx=True, ex=int(settings.e2e_timeout) + 60)
@@ -361,7 +365,7 @@ async def _queue(ctx: ServerContext, request: GenerationRequest) -> Submission:
         await pipe.execute()
     except BaseException as exc:
         ctx.relay.release(job_id)
-        if isinstance(exc, RedisError):
+        if isinstance(exc, REDIS_ERRORS):
             raise PipelineError(f"the job queue is unreachable: {exc}", "unavailable") from None
         raise
     return Submission(ctx, job, queue, request.request_id, queued_at)

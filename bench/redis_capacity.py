@@ -9,6 +9,9 @@ sizes:
 * PUBLISH of a token event to ``ferry:events:POD:REQ`` while P API pods (P pattern subscribers, each its own
   ``redis-cli psubscribe`` draining its socket) listen, one of which matches: Redis checks every pattern
   subscription on every PUBLISH, so P is what the fleet's size changes;
+* SPUBLISH of the same event in a Redis Cluster's way (``redisCluster``): each API pod SSUBSCRIBEs the exact
+  channel of each of its requests (``--streams`` per pod) on one connection, and a sharded publish looks its one
+  channel up, whatever the number of pods (a standalone redis-server runs the sharded commands as one shard does);
 * XADD of a job with a 512-token prompt to a stream trimmed as workers do (XDEL after the job), measured as
   XADD alone.
 
@@ -63,19 +66,29 @@ def redis_server() -> Iterator[int]:
             proc.wait(timeout=10)
 
 
+def pod_channel(pod: int, stream: int) -> str:
+    return keys.events_channel(f"pod{pod:04d}", f"{stream:032x}.0123456789ab")
+
+
 @contextlib.contextmanager
-def pattern_subscribers(port: int, pods: int) -> Iterator[None]:
-    """``pods`` API pods' pattern subscriptions (each its own connection, its output read and dropped)."""
-    procs = [subprocess.Popen(["redis-cli", "-p", str(port), "psubscribe", keys.events_pattern(f"pod{i:04d}")],
-                              stdout=subprocess.DEVNULL) for i in range(pods)]
+def subscribers(port: int, pods: int, streams: int | None) -> Iterator[None]:
+    """``pods`` API pods (each its own connection, its output read and dropped): one pattern subscription each
+    (``streams`` None), or the sharded subscriptions of ``streams`` request channels each."""
+    if streams is None:
+        argvs = [["psubscribe", keys.events_pattern(f"pod{i:04d}")] for i in range(pods)]
+        count, expected = ["pubsub", "numpat"], pods
+    else:
+        argvs = [["ssubscribe", *(pod_channel(i, j) for j in range(streams))] for i in range(pods)]
+        count, expected = ["eval", "return #redis.call('pubsub', 'shardchannels')", "0"], pods * streams
+    procs = [subprocess.Popen(["redis-cli", "-p", str(port), *argv], stdout=subprocess.DEVNULL) for argv in argvs]
     try:
         deadline = time.monotonic() + 30
         while True:
-            info = subprocess.run(["redis-cli", "-p", str(port), "pubsub", "numpat"], capture_output=True, text=True)
-            if int(info.stdout.strip() or 0) >= pods:
+            info = subprocess.run(["redis-cli", "-p", str(port), *count], capture_output=True, text=True)
+            if int(info.stdout.strip() or 0) >= expected:
                 break
             if time.monotonic() > deadline:
-                raise RuntimeError(f"only {info.stdout.strip()} of {pods} pattern subscriptions arrived")
+                raise RuntimeError(f"only {info.stdout.strip()} of {expected} subscriptions arrived")
             time.sleep(0.05)
         yield
     finally:
@@ -98,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--requests", type=int, default=400_000, help="commands per measurement")
     parser.add_argument("--pods", type=int, nargs="+", default=[1, 10, 100, 500])
+    parser.add_argument("--streams", type=int, default=32, help="open streams per pod, for the sharded measurement")
     args = parser.parse_args(argv)
     for tool in ("redis-server", "redis-cli", "redis-benchmark"):
         if shutil.which(tool) is None:
@@ -110,9 +124,14 @@ def main(argv: list[str] | None = None) -> None:
         for round_ in range(args.rounds):
             order = args.pods if round_ % 2 == 0 else args.pods[::-1]
             for pods in order:
-                with pattern_subscribers(port, pods):
+                with subscribers(port, pods, None):
                     name = f"PUBLISH token event ({len(event)} B), {pods} API pod pattern subscriptions"
                     results.setdefault(name, []).append(benchmark(port, args.requests, "PUBLISH", channel, event))
+                with subscribers(port, pods, args.streams):
+                    name = (f"SPUBLISH token event ({len(event)} B), {pods} API pods × {args.streams} sharded "
+                            "request channels")
+                    rate = benchmark(port, args.requests, "SPUBLISH", pod_channel(0, 0), event)
+                    results.setdefault(name, []).append(rate)
             name = f"XADD job ({len(job)} B, 512-token prompt)"
             rate = benchmark(port, args.requests // 4, "XADD", keys.job_stream("bench"), "MAXLEN", "~", "10000", "*",
                              keys.JOB_FIELD, job)

@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections import Counter
 
 from pydantic import BaseModel, Field, ValidationError, computed_field
-from redis.asyncio import Redis
 
 from common import keys
+from common.connection import AsyncRedis
 from common.protocol import WorkerStatus
 
 
@@ -62,7 +62,7 @@ class ModelState(BaseModel):
         return max(self.queue_depth - self.batch_size, 0)
 
 
-async def read_model_state(redis: Redis, model: str, now: float) -> ModelState:
+async def read_model_state(redis: AsyncRedis, model: str, now: float) -> ModelState:
     """The model's live workers and queue depth (raises RedisError when Redis is unreachable)."""
     pipe = redis.pipeline(transaction=False)
     pipe.zrangebyscore(keys.heartbeats(model), now, "+inf", withscores=True)
@@ -92,7 +92,7 @@ def _status(raw: bytes | None) -> WorkerStatus | None:
         return None
 
 
-async def discover_models(redis: Redis) -> list[str]:
+async def discover_models(redis: AsyncRedis) -> list[str]:
     """Every model with a job stream or workers' heartbeats in this Redis."""
     found = set()
     for pattern in (keys.job_stream("*"), keys.heartbeats("*")):

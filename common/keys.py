@@ -35,7 +35,9 @@ spread over the shards. A pod's request channels hash by the pod's id, so each p
   Media never travels inside the job stream entry.
 - ``ferry:events:{<api_id>}:<request_id>``: the per-request pub/sub channel. Each API pod pattern-subscribes
   to ``ferry:events:{<api_id>}:*`` once at start-up, so it is subscribed to a request's channel before it
-  queues the request's job and no first token can be missed.
+  queues the request's job and no first token can be missed. In a Redis Cluster, where sharded pub/sub has no
+  patterns, the pod SSUBSCRIBEs each request's channel (confirmed) before queueing its job instead
+  (:mod:`api.relay`).
 """
 
 from __future__ import annotations
@@ -44,13 +46,16 @@ PREFIX = "ferry"
 JOB_FIELD = "job"
 # The least an ACL user of API pods, workers and ferry-status needs (README "Redis: TLS and ACL users"): the keys
 # above, and the commands they run on them. Channels: all (&*), since Redis lets a client PSUBSCRIBE only a
-# pattern an ACL channel pattern matches literally, and each pod's pattern names the pod (events_pattern).
+# pattern an ACL channel pattern matches literally, and each pod's pattern names the pod (events_pattern). In a
+# Redis Cluster the clients also read the slots (CLUSTER SLOTS) and the commands' key positions (COMMAND), and
+# pub/sub is sharded (SPUBLISH, SSUBSCRIBE, SUNSUBSCRIBE).
 ACL_RULES = (
     f"~{PREFIX}:* &* -@all +ping "
     "+get +set +mget +del +exists +scan +hset +hsetnx +hget +hgetall +hexists +hdel "
     "+xadd +xlen +xreadgroup +xack +xdel +xgroup|create +xclaim +xautoclaim +xpending "
     "+zadd +zrem +zcount +zrangebyscore +zremrangebyscore "
-    "+publish +subscribe +unsubscribe +psubscribe +punsubscribe"
+    "+publish +subscribe +unsubscribe +psubscribe +punsubscribe +spublish +ssubscribe +sunsubscribe "
+    "+cluster|slots +command"
 )
 
 

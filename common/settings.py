@@ -258,6 +258,10 @@ class Settings(BaseSettings):
         "(rediss://USER:PASSWORD@host:port/0, an ACL user: README \"Redis\")",
         **_spec("BackendConfig", "redisUrl", "REDIS_URL"),
     )
+    redis_cluster: bool = Field(
+        False, description="redisUrl names a node of a Redis Cluster: keys and sharded pub/sub spread over its shards "
+        "(docs/scaling.md)", **_spec("BackendConfig", "redisCluster", "REDIS_CLUSTER"),
+    )
     redis_tls_ca_certs: Path | None = Field(
         None, description="PEM CA bundle a rediss:// server's certificate is checked against (default: the system's)",
         **_spec("BackendConfig", "redisTlsCaCerts", "REDIS_TLS_CA_CERTS"),

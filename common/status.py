@@ -14,16 +14,15 @@ import sys
 import time
 
 from pydantic import TypeAdapter
-from redis.asyncio import Redis
-from redis.exceptions import RedisError
 from rich.console import Console
 from rich.table import Table
 
 from common.cluster import ModelState, discover_models, read_model_state
+from common.connection import REDIS_ERRORS, AsyncRedis, async_client
 from common.settings import Settings, settings_or_exit
 
 
-async def read_status(redis: Redis, configured: list[str], only: list[str] | None = None) -> list[ModelState]:
+async def read_status(redis: AsyncRedis, configured: list[str], only: list[str] | None = None) -> list[ModelState]:
     """The state of the ``only`` models, or else of the configured ones and every one found in Redis."""
     models = sorted(set(only) if only else set(configured) | set(await discover_models(redis)))
     now = time.time()
@@ -68,7 +67,7 @@ def render(states: list[ModelState], console: Console) -> None:
 
 
 async def _run(settings: Settings, only: list[str] | None) -> list[ModelState]:
-    redis = Redis.from_url(settings.redis_url, socket_connect_timeout=5, **settings.redis_options)
+    redis = async_client(settings, socket_connect_timeout=5)
     try:
         return await read_status(redis, configured_models(settings), only)
     finally:
@@ -85,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = settings_or_exit("ferry-status", **({"redis_url": args.redis_url} if args.redis_url else {}))
     try:
         states = asyncio.run(_run(settings, args.model))
-    except (RedisError, OSError) as exc:
+    except (*REDIS_ERRORS, OSError) as exc:
         print(f"ferry-status: cannot read {settings.redis_location}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     if args.json:

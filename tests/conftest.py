@@ -160,7 +160,8 @@ def stop_stack(stack: Stack) -> None:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
-    client = redis.Redis.from_url(stack.redis_url)
+    cluster = stack.env.get("REDIS_CLUSTER") == "true"
+    client = (redis.RedisCluster if cluster else redis.Redis).from_url(stack.redis_url)
     keys = list(client.scan_iter(match=f"ferry:{{{stack.model_name}}}:*"))
     if keys:
         client.delete(*keys)

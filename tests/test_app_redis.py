@@ -11,12 +11,14 @@ from pathlib import Path
 import fakeredis
 import httpx
 
-from api.app import REDIS_POOL_SIZE, create_app, redis_client
+from api.app import REDIS_POOL_SIZE, REDIS_POOL_WAIT_SECONDS, create_app
+from common.connection import async_client
 from common.settings import Settings
 
 
 async def test_commands_past_the_pool_size_wait_for_a_connection_instead_of_failing(redis_url: str) -> None:
-    client = redis_client(Settings(model_path=Path("unused"), redis_url=redis_url))
+    client = async_client(Settings(model_path=Path("unused"), redis_url=redis_url), REDIS_POOL_SIZE,
+                          REDIS_POOL_WAIT_SECONDS)
     key = f"ferry-test:{uuid.uuid4().hex}"
     try:
         # Each BLPOP holds its connection for 0.2 s: three times the pool's size in flight at once.

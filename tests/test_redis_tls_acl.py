@@ -8,22 +8,19 @@ run there; a command outside the ACL would fail them with NOPERM.
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 import redis
 
 from common import keys
 from tests.conftest import Stack, free_port, start_stack
-from tests.sse import sse_data
+from tests.stack_checks import check_every_protocol, check_ferry_status, check_stop_order_and_lora_registry
 from tests.test_tls_auth import Pem, make_cert
 
 PASSWORD = "s3cret-for-tests"
@@ -107,50 +104,13 @@ def test_a_plain_or_unauthenticated_client_is_refused(secure_redis: SecureRedis)
 
 
 def test_every_protocol_over_tls_and_the_acl(secure_stack: Stack) -> None:
-    base, model = secure_stack.base_url, secure_stack.model_name
-    body = {"inputs": "def main(", "parameters": {"max_new_tokens": 6, "details": True}}
-    answer = httpx.post(f"{base}/generate", json=body, timeout=60)
-    assert answer.status_code == 200 and answer.json()["details"]["generated_tokens"] == 6, answer.text
-    with httpx.stream("POST", f"{base}/generate_stream", json=body, timeout=60) as stream:
-        events = sse_data(stream.read().decode())
-    assert "".join(event["token"]["text"] for event in events) == answer.json()["generated_text"]
-    infer = httpx.post(f"{base}/v2/models/{model}/infer", timeout=60, json={
-        "id": "tls-1", "inputs": [{"name": "input0", "shape": [1, 3], "datatype": "UINT32", "data": [1, 50, 60]}],
-        "parameters": {"max_new_tokens": 4}})
-    assert infer.status_code == 200 and infer.json()["outputs"][0]["shape"] == [1, 3 + 4], infer.text  # prompt too
-    completion = httpx.post(f"{base}/v1/completions", timeout=60,
-                            json={"model": model, "prompt": "def main(", "max_tokens": 3})
-    assert completion.status_code == 200 and completion.json()["usage"]["completion_tokens"] == 3, completion.text
-    assert httpx.get(f"{base}/health", timeout=10).status_code == 200
-    assert "tgi_queue_size" in httpx.get(f"{base}/metrics", timeout=10).text
+    check_every_protocol(secure_stack)
 
 
 def test_a_stop_order_and_the_lora_registry_over_tls(secure_stack: Stack, tiny_model_path: Path,
                                                      tmp_path: Path) -> None:
-    base, model = secure_stack.base_url, secure_stack.model_name
-    body = {"inputs": "def main(", "parameters": {"max_new_tokens": 400, "details": True}}
-    with httpx.stream("POST", f"{base}/generate_stream", json=body, timeout=60,
-                      headers={"x-request-id": "tls-stop"}) as stream:
-        lines = stream.iter_lines()
-        next(line for line in lines if line.startswith("data:"))
-        stopped = httpx.post(f"{base}/v2/models/{model}/stopInfer", json={"id": "tls-stop"}, timeout=10)
-        assert stopped.status_code == 200, stopped.text
-        events = sse_data("\n".join(lines))
-    assert events[-1]["details"]["finish_reason"] == "stop_sequence" and len(events) < 400
-    from worker.tiny_model import make_tiny_lora
-
-    adapter = make_tiny_lora(tiny_model_path, tmp_path / "lora")
-    loaded = httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": "t", "lora_path": str(adapter)}, timeout=10)
-    assert loaded.status_code == 200, loaded.text
-    answer = httpx.post(f"{base}/generate", timeout=60,
-                        json={"inputs": "def main(", "parameters": {"max_new_tokens": 4, "adapter_id": "t"}})
-    assert answer.status_code == 200, answer.text
+    check_stop_order_and_lora_registry(secure_stack, tiny_model_path, tmp_path)
 
 
 def test_ferry_status_over_tls(secure_stack: Stack, secure_redis: SecureRedis) -> None:
-    env = {**secure_stack.env, **secure_redis.env}
-    shown = subprocess.run([sys.executable, "-m", "common.status", "--json"], env=env, capture_output=True, text=True,
-                           timeout=60)
-    assert shown.returncode == 0, shown.stderr
-    models = {state["model"]: state for state in json.loads(shown.stdout)}
-    assert len(models[secure_stack.model_name]["workers"]) == 1
+    check_ferry_status({**secure_stack.env, **secure_redis.env}, secure_stack.model_name, workers=1)

@@ -10,8 +10,8 @@ hosts) for a pool. What it promises under failures is in docs/reliability.md:
   over after ``claimIdleSeconds`` (XAUTOCLAIM); after ``maxDeliveries`` deliveries a job fails instead;
 - control messages (``cancel`` for a client that left, ``stop`` for stopInfer) reach running and queued
   requests; jobs past their deadline are not started, and running ones are dropped when it passes;
-- a lost Redis connection drops the running batch (its clients were already told) and the loop reconnects
-  with backoff; SIGTERM stops taking jobs, finishes the running batch, then exits.
+- a lost Redis connection (or, in a Redis Cluster, a shard of the model's that fails) drops the running batch,
+  telling its clients where their channels' shard still answers, and the loop reconnects with backoff; SIGTERM stops taking jobs, finishes the running batch, then exits.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ import time
 from typing import NamedTuple, get_args
 
 from pydantic import ValidationError
-from redis import Redis
 from redis.client import Pipeline, PubSub
+from redis.exceptions import ClusterError, RedisClusterException, ResponseError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common import keys
+from common.connection import REDIS_ERRORS, SyncRedis, publish, sync_client
 from common.logs import configure_logging
 from common.process import command_parser, freeze_startup_heap
 from common.protocol import Control, ErrorEvent, Job, WorkerStatus
@@ -46,6 +46,10 @@ HEARTBEAT_TTL_SECONDS = 10.0
 IDLE_BLOCK_MS = 1000
 RECONNECT_FIRST_DELAY = 0.1
 RECONNECT_MAX_DELAY = 5.0
+# What losing Redis (or the shard of the model's keys) raises: the loop reconnects instead of crashing. NOGROUP
+# is a Redis that came back empty (the group is made again); other refusals (WRONGTYPE, NOPERM) are bugs or
+# misconfiguration and stop the worker.
+LOST_REDIS = (RedisConnectionError, RedisTimeoutError, ClusterError, RedisClusterException, TryAgainError)
 
 
 class Running(NamedTuple):
@@ -59,7 +63,7 @@ class Running(NamedTuple):
 class WorkerLoop:
     """Moves jobs between Redis and the engine. All state of the worker lives here."""
 
-    def __init__(self, settings: Settings, redis: Redis, engine: Engine, metrics: WorkerMetrics | None = None) -> None:
+    def __init__(self, settings: Settings, redis: SyncRedis, engine: Engine, metrics: WorkerMetrics | None = None) -> None:
         self.settings = settings
         self.redis = redis
         self.engine = engine
@@ -89,7 +93,10 @@ class WorkerLoop:
         if self._control is not None:
             self._control.close()
         self._control = self.redis.pubsub(ignore_subscribe_messages=True)
-        self._control.subscribe(keys.control_channel(self.model))
+        if self.settings.redis_cluster:  # sharded: the model's shard, where the API pods SPUBLISH
+            self._control.ssubscribe(keys.control_channel(self.model))
+        else:
+            self._control.subscribe(keys.control_channel(self.model))
 
     def stop(self) -> None:
         """Stop taking jobs; the running batch is finished and acknowledged before :meth:`run` returns."""
@@ -106,12 +113,12 @@ class WorkerLoop:
                         self.connect()
                         connected, delay = True, RECONNECT_FIRST_DELAY
                     self.run_once()
-                except (RedisConnectionError, RedisTimeoutError, ResponseError) as exc:
-                    if isinstance(exc, ResponseError) and "NOGROUP" not in str(exc):
+                except (*LOST_REDIS, ResponseError) as exc:
+                    if not isinstance(exc, LOST_REDIS) and "NOGROUP" not in str(exc):
                         raise
                     log.warning("lost Redis (%s); dropping %d running requests, retrying in %.1f s",
                                 exc, len(self._inflight), delay)
-                    self.drop_all()
+                    self.drop_all(exc)
                     connected = False
                     time.sleep(delay)
                     delay = min(delay * 2, RECONNECT_MAX_DELAY)
@@ -119,7 +126,7 @@ class WorkerLoop:
             try:
                 self.redis.zrem(keys.heartbeats(self.model), self.consumer)
                 self.redis.delete(keys.worker_status(self.model, self.consumer))
-            except (RedisConnectionError, RedisTimeoutError):
+            except (*REDIS_ERRORS, OSError):
                 pass
 
     # -- one iteration -----------------------------------------------------------------------------
@@ -179,8 +186,9 @@ class WorkerLoop:
 
     def apply_controls(self) -> None:
         assert self._control is not None
-        while (message := self._control.get_message(timeout=0.0)) is not None:
-            if message["type"] != "message":
+        read = self._control.get_sharded_message if self.settings.redis_cluster else self._control.get_message
+        while (message := read(timeout=0.0)) is not None:
+            if message["type"] not in ("message", "smessage"):
                 continue
             try:
                 control = Control.model_validate_json(message["data"])
@@ -299,7 +307,7 @@ class WorkerLoop:
         request is cancelled at once instead of being computed for nobody."""
         pipe = self.redis.pipeline(transaction=False)
         for out in outputs:
-            pipe.publish(out.job.reply_channel, out.event.model_dump_json())
+            publish(pipe, self.settings.redis_cluster, out.job.reply_channel, out.event.model_dump_json())
         finished = [self._inflight.pop(out.job.request_id).message_id for out in outputs
                     if out.finished and out.job.request_id in self._inflight]
         if finished:
@@ -322,7 +330,8 @@ class WorkerLoop:
         pipe = self.redis.pipeline(transaction=False)
         for job in jobs:
             log.warning("request failed (%s): %s", error_type, message, extra={"request_id": job.request_id})
-            pipe.publish(job.reply_channel, ErrorEvent(message=message, error_type=error_type).model_dump_json())
+            publish(pipe, self.settings.redis_cluster, job.reply_channel,
+                    ErrorEvent(message=message, error_type=error_type).model_dump_json())
         pipe.execute()
 
     def ack(self, request_ids: list[str]) -> None:
@@ -339,11 +348,19 @@ class WorkerLoop:
         pipe.xack(self.stream, self.group, *message_ids)
         pipe.xdel(self.stream, *message_ids)
 
-    def drop_all(self) -> None:
-        """Forget every running request (after losing Redis: their clients have been answered)."""
-        for request_id in self._inflight:
-            self.engine.cancel(request_id)
+    def drop_all(self, cause: Exception) -> None:
+        """Forget every running request after losing Redis. On one server their pods' relays lost it too and
+        answered them; in a cluster the shard of their channels may still be up, so they are told there."""
+        jobs = [running.job for running in self._inflight.values()]
+        for job in jobs:
+            self.engine.cancel(job.request_id)
         self._inflight.clear()
+        if self.settings.redis_cluster and jobs:
+            try:
+                self.fail(jobs, f"the worker lost the Redis shard of its job queue ({cause}); the request may be "
+                                "retried", "unavailable")
+            except REDIS_ERRORS:
+                pass
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -368,7 +385,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(1) from None
     try:
         freeze_startup_heap()
-        loop = WorkerLoop(settings, Redis.from_url(settings.redis_url, **settings.redis_options), engine)
+        loop = WorkerLoop(settings, sync_client(settings), engine)
         host, port = settings.worker_metrics_host, settings.worker_metrics_port
         if port:
             try:
