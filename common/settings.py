@@ -15,7 +15,9 @@ The file has MindIE's layout (``deploy/ferry.json`` is a complete example)::
 
 Each setting belongs to one section (the ``section`` of its field below); the file is flattened to the
 camelCase keys, so a flat object of those keys (the older form) is accepted too. An unknown key, in either
-form, is an error that names it: a typo must not silently fall back to a default.
+form, is an error that names it: a typo must not silently fall back to a default. A stock MindIE
+``config.json`` is read as it is, but for the keys Ferry does not implement (:mod:`common.mindie_config`),
+which the error names all at once.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from common import mindie_config
 from common.protocol import ADAPTER_NAME_PATTERN
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -149,15 +152,35 @@ def _setting_keys() -> dict[str, tuple[str | None, str, str]]:
     return result
 
 
-def _unknown(path: str, key: str, known: list[str]) -> ConfigError:
+def _unknown(path: str, key: str, known: list[str]) -> str:
     close = difflib.get_close_matches(key, known, n=1)
     hint = f" (did you mean `{close[0]}`?)" if close else f"; known here: {', '.join(sorted(known))}"
-    return ConfigError(f"unknown key `{path}`{hint}")
+    return f"unknown key `{path}`{hint}"
+
+
+def _model_entries(value: Any, dotted: str, refused: list[str], model_wide: list[tuple[str, Any]]) -> Any:
+    """``ModelConfig`` without the MindIE keys of its items: those Ferry does not implement go to ``refused``,
+    those that are one Ferry setting for every model (``trustRemoteCode``) to ``model_wide``."""
+    if not isinstance(value, list):
+        return value  # the settings' validation names what is wrong
+    entries = []
+    for index, entry in enumerate(value):
+        if isinstance(entry, dict):
+            entry = dict(entry)
+            for key in [key for key in entry if key in mindie_config.REFUSED["ModelConfig"]]:
+                refused.append(mindie_config.refused_key(f"{dotted}[{index}].{key}", key))
+                del entry[key]
+            if "trustRemoteCode" in entry:
+                model_wide.append((f"{dotted}[{index}].trustRemoteCode", entry.pop("trustRemoteCode")))
+        entries.append(entry)
+    return entries
 
 
 def flatten_config(data: Any) -> dict[str, Any]:
-    """The config file's settings as one flat object of camelCase keys; raises :class:`ConfigError` for a
-    key that is unknown or in the wrong section, and for a section that is not an object."""
+    """The config file's settings as one flat object of camelCase keys. Raises :class:`ConfigError` naming
+    every key at fault at once: unknown or in the wrong section (with a did-you-mean hint), a section that is
+    not an object, and the keys of MindIE's config.json that Ferry does not implement (the user removes them
+    in one pass); MindIE keys that change nothing in Ferry are skipped (:mod:`common.mindie_config`)."""
     if not isinstance(data, dict):
         raise ConfigError("the config file must hold a JSON object")
     keys = _setting_keys()
@@ -165,9 +188,12 @@ def flatten_config(data: Any) -> dict[str, Any]:
     if not roots & data.keys():  # the flat form
         for key in data:
             if key not in keys:
-                raise _unknown(key, key, list(keys))
+                raise ConfigError(_unknown(key, key, list(keys)))
         return dict(data)
     flat: dict[str, Any] = {}
+    errors: list[str] = []
+    refused: list[str] = []
+    model_wide: list[tuple[str, Any]] = []
 
     def walk(node: dict[str, Any], path: tuple[str, ...]) -> None:
         sections = {p[len(path)]: p for p in SECTION_PATHS.values() if len(p) > len(path) and p[: len(path)] == path}
@@ -176,15 +202,32 @@ def flatten_config(data: Any) -> dict[str, Any]:
         for key, value in node.items():
             dotted = ".".join((*path, key))
             if key in sections:
-                if not isinstance(value, dict):
-                    raise ConfigError(f"`{dotted}` must be a JSON object")
-                walk(value, (*path, key))
+                if isinstance(value, dict):
+                    walk(value, (*path, key))
+                else:
+                    errors.append(f"`{dotted}` must be a JSON object")
+            elif key == "ModelConfig" and key in fields:
+                flat[key] = _model_entries(value, dotted, refused, model_wide)
             elif key in fields:
                 flat[key] = value
-            else:
-                raise _unknown(dotted, key, [*fields, *sections])
+            elif key in mindie_config.REFUSED.get(here or "", ()):
+                refused.append(mindie_config.refused_key(dotted, key))
+            elif key not in mindie_config.IGNORED.get(here or "", ()):
+                errors.append(_unknown(dotted, key, [*fields, *sections]))
 
     walk(data, ())
+    if model_wide:  # MindIE sets trustRemoteCode per model; Ferry's is one setting (BackendConfig)
+        given = [value for _, value in model_wide] + ([flat["trustRemoteCode"]] if "trustRemoteCode" in flat else [])
+        if any(value != given[0] for value in given):
+            places = ", ".join(f"`{place}`" for place, _ in model_wide)
+            errors.append(f"{places}: Ferry's trustRemoteCode is one setting for every model "
+                          "(BackendConfig.trustRemoteCode); the values given differ")
+        flat["trustRemoteCode"] = given[0]
+    if refused:
+        errors.append("keys of MindIE's config.json that Ferry does not implement; remove them (README "
+                      f"\"Coming from MindIE\" says what Ferry has instead): {', '.join(refused)}")
+    if errors:
+        raise ConfigError("; ".join(errors))
     return flat
 
 
@@ -296,6 +339,11 @@ class Settings(BaseSettings):
         "(on managementIpAddress, else ipAddress); 0 or the business port: none",
         **_spec("ServerConfig", "metricsPort", "METRICS_PORT"),
     )
+    allow_all_zero_ip_listening: bool = Field(
+        True, description="false: an all-zero ipAddress or managementIpAddress (0.0.0.0, ::) is refused (MindIE's "
+        "guard against listening on every interface)",
+        **_spec("ServerConfig", "allowAllZeroIpListening", "ALLOW_ALL_ZERO_IP_LISTENING"),
+    )
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list, description="accepted `Authorization: Bearer` keys; empty: no auth",
         **_spec("ServerConfig", "apiKeys", "API_KEYS"),
@@ -382,7 +430,8 @@ class Settings(BaseSettings):
         8192, gt=0, **_spec("ScheduleConfig", "maxPrefillTokens", "MAX_PREFILL_TOKENS")
     )
     max_prefill_batch_size: int = Field(
-        8, gt=0, **_spec("ScheduleConfig", "maxPrefillBatchSize", "MAX_PREFILL_BATCH_SIZE")
+        8, ge=0, description="0: maxBatchSize (MindIE's rule)",
+        **_spec("ScheduleConfig", "maxPrefillBatchSize", "MAX_PREFILL_BATCH_SIZE"),
     )
     max_batch_total_tokens: int = Field(
         65536, gt=0, **_spec("ScheduleConfig", "maxBatchTotalTokens", "MAX_BATCH_TOTAL_TOKENS")
@@ -414,8 +463,9 @@ class Settings(BaseSettings):
     @field_validator("truncation")
     @classmethod
     def _built_truncation(cls, value: int) -> int:
-        if value != 0:
-            raise ValueError("only 0 (reject input over maxInputTokenLen) is supported; -1 and 1 are not built")
+        if value != 0:  # MindIE's false is 0, its true (truncate) 1
+            raise ValueError("only 0 or false (reject input over maxInputTokenLen) is supported; truncating "
+                             "(-1, 1 or true) is not built")
         return value
 
     @field_validator("chat_template")
@@ -426,9 +476,11 @@ class Settings(BaseSettings):
     @field_validator("log_level")
     @classmethod
     def _known_level(cls, value: str) -> str:
-        if not isinstance(logging.getLevelName(value.upper()), int):
-            raise ValueError("logLevel must be DEBUG, INFO, WARNING, ERROR or CRITICAL")
-        return value.upper()
+        """Python's level names, in any case (MindIE's Info, Warn, ...), and MindIE's Verbose: DEBUG."""
+        level = "DEBUG" if value.upper() == "VERBOSE" else value.upper()
+        if not isinstance(logging.getLevelName(level), int):
+            raise ValueError("logLevel must be DEBUG (or VERBOSE), INFO, WARNING, ERROR or CRITICAL")
+        return level
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -456,6 +508,8 @@ class Settings(BaseSettings):
     def _consistent(self) -> "Settings":
         if self.max_input_token_len >= self.max_seq_len:
             self.max_input_token_len = self.max_seq_len - 1
+        if self.max_prefill_batch_size == 0:
+            self.max_prefill_batch_size = self.max_batch_size
         names = [entry.name for entry in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"ModelConfig: modelName values must be unique. Given: {names}")
@@ -478,6 +532,10 @@ class Settings(BaseSettings):
         if self.management_host is not None and self.management_port in (0, self.port) and self.metrics_port in (
                 0, self.port):
             raise ValueError("managementIpAddress needs a managementPort or metricsPort other than port")
+        if not self.allow_all_zero_ip_listening:
+            for key, host in (("ipAddress", self.host), ("managementIpAddress", self.management_host)):
+                if host in ("0.0.0.0", "::"):
+                    raise ValueError(f"{key} {host} listens on every interface: allowAllZeroIpListening is false")
         redis_tls = {"redisTlsCaCerts": self.redis_tls_ca_certs, "redisTlsCert": self.redis_tls_cert,
                      "redisTlsKey": self.redis_tls_key}
         given = [key for key, path in redis_tls.items() if path is not None]
