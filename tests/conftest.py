@@ -169,9 +169,24 @@ def stop_stack(stack: Stack) -> None:
 
 
 @pytest.fixture(scope="session")
-def stack(redis_url: str, tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """The default served stack (seed stream format on ``POST /``)."""
-    running = start_stack(redis_url, tiny_model_path, tmp_path_factory.mktemp("stack"))
+def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Redis Cluster of three masters for the session (:mod:`tests.redis_cluster`): Ferry's URL on it."""
+    from tests.redis_cluster import three_masters  # (it imports this module)
+
+    with three_masters(tmp_path_factory.mktemp("redis-cluster")) as cluster:
+        yield cluster.url
+
+
+@pytest.fixture(scope="session", params=["redis", "redis-cluster"])
+def stack(request: pytest.FixtureRequest, tiny_model_path: Path,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The default served stack (seed stream format on ``POST /``), on one Redis and on a Redis Cluster: every
+    test that takes it runs on both."""
+    if request.param == "redis":
+        url, env = request.getfixturevalue("redis_url"), {}
+    else:
+        url, env = request.getfixturevalue("redis_cluster_url"), {"REDIS_CLUSTER": "true"}
+    running = start_stack(url, tiny_model_path, tmp_path_factory.mktemp("stack"), env)
     yield running
     stop_stack(running)
 

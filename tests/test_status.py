@@ -52,18 +52,20 @@ async def test_models_workers_and_queues_from_redis() -> None:
 
 
 def test_the_command_against_the_stack(stack: Stack) -> None:
-    done = status_json("--redis-url", stack.redis_url, "--model", stack.model_name, "--json", "--check")
+    done = status_json("--redis-url", stack.redis_url, "--model", stack.model_name, "--json", "--check", env=stack.env)
     assert done.returncode == 0, done.stderr
     [state] = json.loads(done.stdout)
     assert state["model"] == stack.model_name and state["pools"] == {"cpu": 1}
     worker = state["workers"][0]
     assert worker["pool"] == "cpu" and worker["status"]["kv_budget_tokens"] > 0
-    table = status_json("--redis-url", stack.redis_url, "--model", stack.model_name, env={"COLUMNS": "200"})
+    table = status_json("--redis-url", stack.redis_url, "--model", stack.model_name,
+                        env={**stack.env, "COLUMNS": "200"})
     assert table.returncode == 0 and stack.model_name in table.stdout and "Workers" in table.stdout
 
 
 def test_check_fails_for_a_model_without_workers(stack: Stack) -> None:
-    assert status_json("--redis-url", stack.redis_url, "--model", "nobody-serves-this", "--check").returncode == 1
+    assert status_json("--redis-url", stack.redis_url, "--model", "nobody-serves-this", "--check",
+                       env=stack.env).returncode == 1
 
 
 def test_an_unreachable_redis_is_reported() -> None:
