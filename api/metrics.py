@@ -62,7 +62,7 @@ class ApiMetrics:
         self.input_length = histogram("tgi_request_input_length", "Prompt tokens", TOKEN_BUCKETS)
         self.max_new_tokens = histogram("tgi_request_max_new_tokens", "Effective max_new_tokens", TOKEN_BUCKETS)
         self.generated_tokens = histogram("tgi_request_generated_tokens", "Generated tokens", TOKEN_BUCKETS)
-        self.queue_size = gauge("tgi_queue_size", "Jobs queued or running (the job stream's length)")
+        self.queue_size = gauge("tgi_queue_size", "Jobs queued or running (the job streams' lengths)")
         self.batch_size = gauge("tgi_batch_current_size", "Requests running, summed over live workers")
         self.batch_tokens = gauge("tgi_batch_current_max_tokens", "KV budget held, summed over live workers")
         self.live_workers = gauge("ferry_live_workers", "Workers with a live heartbeat")

@@ -336,7 +336,7 @@ async def _queue(ctx: ServerContext, request: GenerationRequest) -> Submission:
         enqueued_at=now,
         deadline=now + settings.e2e_timeout,
     )
-    stream, inflight = keys.job_stream(job.model), keys.inflight_key(job.model, request.request_id)
+    streams, inflight = keys.job_streams(job.model), keys.inflight_key(job.model, request.request_id)
     # Registering takes one of the pod's maxLinkNum places with no await since the check above, so
     # concurrent requests cannot all pass the check; every failure below gives the place back.
     try:
@@ -346,10 +346,12 @@ async def _queue(ctx: ServerContext, request: GenerationRequest) -> Submission:
     try:
         pipe = ctx.redis.pipeline(transaction=False)
         pipe.set(inflight, job_id, nx=True, ex=int(settings.e2e_timeout) + 60)
-        pipe.xlen(stream)
+        for stream in streams:  # the jobs queued or running: every priority's
+            pipe.xlen(stream)
         if request.adapter is not None:
             pipe.hget(keys.adapters_key(job.model), request.adapter)
-        fresh, queued, *adapter_path = await pipe.execute()
+        fresh, *replies = await pipe.execute()
+        queued, adapter_path = sum(replies[:len(streams)]), replies[len(streams):]
         if not fresh:
             raise PipelineError(f"a request with id '{request.request_id}' is already in flight", "validation")
         refusal = _refusal(ctx, request, queued, adapter_path)
@@ -361,7 +363,7 @@ async def _queue(ctx: ServerContext, request: GenerationRequest) -> Submission:
         pipe = ctx.redis.pipeline(transaction=False)
         for ref, item in zip(job.media, request.media):  # the bytes first: a worker may take the job at once
             pipe.set(ref.key, item.data, ex=int(settings.e2e_timeout) + 60)
-        pipe.xadd(stream, {keys.JOB_FIELD: job.model_dump_json()})
+        pipe.xadd(keys.job_stream(job.model, job.priority), {keys.JOB_FIELD: job.model_dump_json()})
         await pipe.execute()
     except BaseException as exc:
         ctx.relay.release(job_id)

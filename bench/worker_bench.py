@@ -89,7 +89,7 @@ def through_redis(loop: WorkerLoop, batches: list[list[Job]]) -> float:
     elapsed = 0.0
     for batch in batches:
         for job in batch:
-            loop.redis.xadd(loop.stream, {keys.JOB_FIELD: job.model_dump_json()})
+            loop.redis.xadd(keys.job_stream(loop.model), {keys.JOB_FIELD: job.model_dump_json()})
         started = time.perf_counter()
         loop.run_once()
         while not loop.engine.idle:

@@ -27,7 +27,7 @@ class WorkerView(BaseModel):
 
 class ModelState(BaseModel):
     model: str
-    queue_depth: int = Field(description="jobs queued or running (XLEN of the job stream)")
+    queue_depth: int = Field(description="jobs queued or running (the XLEN of its job streams, summed)")
     workers: list[WorkerView]
 
     @computed_field  # type: ignore[prop-decorator]
@@ -57,7 +57,7 @@ class ModelState(BaseModel):
     @computed_field  # type: ignore[prop-decorator]
     @property
     def waiting(self) -> int:
-        """Requests queued and not running: the jobs of the stream less those the workers report running (the
+        """Requests queued and not running: the jobs of the streams less those the workers report running (a
         stream holds a job until it ends; a worker's report may be up to a heartbeat old, hence the floor)."""
         return max(self.queue_depth - self.batch_size, 0)
 
@@ -66,8 +66,9 @@ async def read_model_state(redis: AsyncRedis, model: str, now: float) -> ModelSt
     """The model's live workers and queue depth (raises RedisError when Redis is unreachable)."""
     pipe = redis.pipeline(transaction=False)
     pipe.zrangebyscore(keys.heartbeats(model), now, "+inf", withscores=True)
-    pipe.xlen(keys.job_stream(model))
-    beats, depth = await pipe.execute()
+    for stream in keys.job_streams(model):
+        pipe.xlen(stream)
+    beats, *depths = await pipe.execute()
     consumers = [(member.decode() if isinstance(member, bytes) else member, score) for member, score in beats]
     raw = await redis.mget([keys.worker_status(model, consumer) for consumer, _ in consumers]) if consumers else []
     workers = []
@@ -80,7 +81,7 @@ async def read_model_state(redis: AsyncRedis, model: str, now: float) -> ModelSt
             consumer=consumer, pool=pool, host=host, pid=pid, heartbeat_expires_in=expires - now,
             status=_status(status),
         ))
-    return ModelState(model=model, queue_depth=depth, workers=workers)
+    return ModelState(model=model, queue_depth=sum(depths), workers=workers)
 
 
 def _status(raw: bytes | None) -> WorkerStatus | None:
@@ -95,7 +96,7 @@ def _status(raw: bytes | None) -> WorkerStatus | None:
 async def discover_models(redis: AsyncRedis) -> list[str]:
     """Every model with a job stream or workers' heartbeats in this Redis."""
     found = set()
-    for pattern in (keys.job_stream("*"), keys.heartbeats("*")):
+    for pattern in (*keys.job_streams("*"), keys.heartbeats("*")):
         async for key in redis.scan_iter(match=pattern):
             found.add(keys.model_in_key(key.decode() if isinstance(key, bytes) else key))
     return sorted(found)

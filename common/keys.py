@@ -4,12 +4,16 @@ The braces are Redis Cluster hash tags: every key of a model hashes by the model
 in one slot (one shard), multi-key commands and pipelines on them stay on one node, and different models
 spread over the shards. A pod's request channels hash by the pod's id, so each pod's events go to one shard.
 
-- ``ferry:{<model>}:jobs``: the model's job stream. Each entry has one field, ``job``, the JSON of a
-  :class:`common.protocol.Job`. Workers XACK and XDEL an entry when the request is done, so the
-  stream's length is the number of requests queued or running (the API's queue bound).
-- ``ferry:{<model>}:workers``: the consumer group all workers of that model read from. A pool (cpu, cuda,
-  npu) is a set of consumers in that group: a second group on the same stream would receive every job a
-  second time, so pools of one model share the group and differ only in consumer names.
+- ``ferry:{<model>}:jobs:<priority>`` (priority 1 to 4) and ``ferry:{<model>}:jobs`` (5, the default: the name
+  it had before priorities, so jobs of an older API pod still reach new workers): the model's job streams, one
+  per :data:`common.protocol.PRIORITIES` level. Each entry has one field, ``job``, the JSON of a
+  :class:`common.protocol.Job`. Workers XACK and XDEL an entry when the request is done, so the streams'
+  lengths sum to the number of requests queued or running (the API's queue bound), and a stream's entries
+  that are not pending in the group are its jobs no worker has taken yet. Workers take a job from the most
+  urgent stream holding one (:func:`job_streams`' order).
+- ``ferry:{<model>}:workers``: the consumer group all workers of that model read from, on each job stream. A
+  pool (cpu, cuda, npu) is a set of consumers in that group: a second group on the same stream would receive
+  every job a second time, so pools of one model share the group and differ only in consumer names.
 - ``ferry:{<model>}:heartbeats``: sorted set of the model's worker consumers, scored by the unix time
   their heartbeat expires; a worker is alive while its score is in the future.
 - ``ferry:{<model>}:worker:{consumer}``: the JSON of a :class:`common.protocol.WorkerStatus` (batch size, KV
@@ -42,6 +46,8 @@ spread over the shards. A pod's request channels hash by the pod's id, so each p
 
 from __future__ import annotations
 
+from common.protocol import DEFAULT_PRIORITY, PRIORITIES
+
 PREFIX = "ferry"
 JOB_FIELD = "job"
 # The least an ACL user of API pods, workers and ferry-status needs (README "Redis: TLS and ACL users"): the keys
@@ -64,8 +70,15 @@ def _model(model: str) -> str:
     return f"{PREFIX}:{{{model}}}"
 
 
-def job_stream(model: str) -> str:
-    return f"{_model(model)}:jobs"
+def job_stream(model: str, priority: int = DEFAULT_PRIORITY) -> str:
+    """The stream of the model's jobs of one priority."""
+    stream = f"{_model(model)}:jobs"
+    return stream if priority == DEFAULT_PRIORITY else f"{stream}:{priority}"
+
+
+def job_streams(model: str) -> list[str]:
+    """The model's job streams, the most urgent first (the order workers take jobs in)."""
+    return [job_stream(model, priority) for priority in PRIORITIES]
 
 
 def worker_group(model: str) -> str:

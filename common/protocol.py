@@ -17,6 +17,12 @@ from pydantic import BaseModel, Field, TypeAdapter
 
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
 
+# Request priorities (MindIE's ``priority``): workers take a queued job of a lower number first, first come first
+# served within one; a running request is never preempted.
+PRIORITIES = range(1, 6)
+DEFAULT_PRIORITY = PRIORITIES[-1]
+Priority = Annotated[int, Field(ge=PRIORITIES[0], le=PRIORITIES[-1])]
+
 
 class SamplingParams(BaseModel):
     """Per-request generation controls, fully resolved by the API (no "unset" left for the worker)."""
@@ -71,6 +77,7 @@ class Job(BaseModel):
     decoder_input_details: bool = Field(False, description="return log-probs of the prompt tokens")
     media: list[MediaRef] = Field(default_factory=list, description="the media items, in placeholder order")
     adapter: AdapterRef | None = Field(None, description="the LoRA adapter; None: the base model")
+    priority: Priority = Field(DEFAULT_PRIORITY, description="1 (taken first) to 5; its job stream's")
     enqueued_at: float = Field(description="unix time the API queued the job")
     deadline: float | None = Field(None, description="unix time after which nobody waits for the result")
 

@@ -271,6 +271,15 @@ def test_batch_size_limit(served, tokenizer, prompts) -> None:
     assert len(events[jobs[2].request_id]) == 6
 
 
+def test_held_jobs_start_most_urgent_first(served, tokenizer, prompts) -> None:
+    """Jobs added past a full batch wait in the engine in the order workers take them from the job streams: a
+    lower priority number first, first come first served within one."""
+    engine = make_engine(served, tokenizer, max_batch_size=1)
+    jobs = [make_job(prompts[0], max_new_tokens=2).model_copy(update={"priority": p}) for p in (5, 5, 1, 3, 1)]
+    events = run(engine, {0: jobs})  # all added before the first step: the batch takes one, four wait
+    assert list(events) == [jobs[i].request_id for i in (2, 4, 3, 0, 1)]
+
+
 def test_a_failing_forward_pass_drops_its_batch(model, served, tokenizer, prompts, monkeypatch) -> None:
     engine = make_engine(served, tokenizer)
     engine.add(make_job(prompts[0], max_new_tokens=10))

@@ -53,7 +53,7 @@ def test_each_app_has_its_own_registry(tiny_model_path: Path) -> None:
 def test_a_refused_request_counts_as_a_failure(tiny_model_path: Path) -> None:
     settings = Settings(model_path=tiny_model_path, model_name="m", max_queue_size=1)
     server = fakeredis.FakeServer()
-    fakeredis.FakeRedis(server=server).xadd(keys.job_stream("m"), {keys.JOB_FIELD: "{}"})  # the queue is full
+    fakeredis.FakeRedis(server=server).xadd(keys.job_stream("m", 1), {keys.JOB_FIELD: "{}"})  # full: any priority
     with TestClient(create_app(settings, redis=fakeredis.FakeAsyncRedis(server=server))) as client:
         assert client.post("/generate", json={"inputs": "hello"}).status_code == 429
         text = client.get("/metrics").text
@@ -150,7 +150,7 @@ def test_worker_metrics_status_and_timings(engine: TransformersEngine, tiny_mode
     listener.get_message(timeout=1)
     job = Job(request_id="w1", model="wm", reply_channel="reply:w1", input_ids=[1, 396, 319],
               params=SamplingParams(seed=1, max_new_tokens=4), enqueued_at=time.time() - 0.25)
-    loop.redis.xadd(loop.stream, {keys.JOB_FIELD: job.model_dump_json()})
+    loop.redis.xadd(keys.job_stream(loop.model), {keys.JOB_FIELD: job.model_dump_json()})
     loop.run_once()  # heartbeat (with the status as it was), take the job, prefill it
     reported = WorkerStatus.model_validate_json(loop.redis.get(keys.worker_status("wm", loop.consumer)))
     assert reported.kv_budget_tokens == loop.settings.max_batch_total_tokens and reported.device == "cpu"

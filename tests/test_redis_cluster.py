@@ -84,11 +84,11 @@ def pod_channels_owner(three_masters: ThreeMasters) -> int:
 
 def test_a_model_s_keys_share_one_slot_and_a_pod_s_channels_another() -> None:
     model = "org/llama-7b"
-    names = [keys.job_stream(model), keys.worker_group(model), keys.heartbeats(model), keys.worker_status(model, "c"),
+    names = [*keys.job_streams(model), keys.worker_group(model), keys.heartbeats(model), keys.worker_status(model, "c"),
              keys.control_channel(model), keys.control_key(model, "r"), keys.inflight_key(model, "r"),
              keys.adapters_key(model), keys.media_key(model, "r", 0)]
     assert {key_slot(name.encode()) for name in names} == {key_slot(b"org/llama-7b")}
-    assert keys.model_in_key(keys.job_stream(model)) == model
+    assert {keys.model_in_key(stream) for stream in keys.job_streams(model)} == {model}
     channels = [keys.events_channel("pod1", f"req{i}") for i in range(20)]
     assert {key_slot(name.encode()) for name in channels} == {key_slot(b"pod1")}
     with pytest.raises(ValueError, match="must not contain braces"):

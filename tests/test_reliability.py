@@ -37,7 +37,17 @@ from api.app import create_app
 from api.metrics import ApiMetrics
 from api.pipeline import PipelineError, Submission
 from common import keys
-from common.protocol import Control, ErrorEvent, Finish, Job, SamplingParams, TokenEvent, TokenInfo, decode_event
+from common.protocol import (
+    DEFAULT_PRIORITY,
+    Control,
+    ErrorEvent,
+    Finish,
+    Job,
+    SamplingParams,
+    TokenEvent,
+    TokenInfo,
+    decode_event,
+)
 from common.settings import Settings
 from tests.conftest import Stack, free_port, start_stack, stop_stack
 from tests.fakes import one_token_submit, patch_submit
@@ -61,6 +71,8 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: 
 
 # ============================================================================ worker loop over fakeredis
 
+STREAM = keys.job_stream("m")  # the default priority's
+
 
 @pytest.fixture(scope="module")
 def base_engine(tiny_model_path: Path) -> TransformersEngine:
@@ -77,7 +89,8 @@ def make_loop(engine: TransformersEngine, server: fakeredis.FakeServer, consumer
 
 
 def queue_job(
-    client: redis.Redis, request_id: str, max_new_tokens: int = 3, deadline: float | None = None
+    client: redis.Redis, request_id: str, max_new_tokens: int = 3, deadline: float | None = None,
+    priority: int = DEFAULT_PRIORITY,
 ) -> Job:
     job = Job(
         request_id=request_id,
@@ -85,10 +98,11 @@ def queue_job(
         reply_channel=f"reply:{request_id}",
         input_ids=[1, 50, 60],
         params=SamplingParams(seed=1, max_new_tokens=max_new_tokens),
+        priority=priority,
         enqueued_at=time.time(),
         deadline=deadline,
     )
-    client.xadd(keys.job_stream("m"), {keys.JOB_FIELD: job.model_dump_json()})
+    client.xadd(keys.job_stream("m", priority), {keys.JOB_FIELD: job.model_dump_json()})
     return job
 
 
@@ -118,7 +132,7 @@ def send_control(client: redis.Redis, request_id: str, action: str, publish: boo
 
 
 def stream_ids(client: redis.Redis) -> list[bytes]:
-    return [message_id for message_id, _ in client.xrange(keys.job_stream("m"))]
+    return [message_id for message_id, _ in client.xrange(STREAM)]
 
 
 def test_abandoned_job_is_taken_over_and_fails_after_max_deliveries(base_engine: TransformersEngine) -> None:
@@ -137,7 +151,7 @@ def test_abandoned_job_is_taken_over_and_fails_after_max_deliveries(base_engine:
         taker = make_loop(base_engine, server, consumer, **settings)
         taker.claim_abandoned()
         assert "poison" in taker._inflight, f"delivery {delivery} did not start the job"
-        pending = taker.redis.xpending_range(taker.stream, taker.group, "-", "+", 10)
+        pending = taker.redis.xpending_range(STREAM, taker.group, "-", "+", 10)
         assert [(p["consumer"].decode(), p["times_delivered"]) for p in pending] == [(consumer, delivery)]
     assert not any(isinstance(e, ErrorEvent) for e in replies.drain().get("poison", []))
     time.sleep(0.03)
@@ -148,26 +162,28 @@ def test_abandoned_job_is_taken_over_and_fails_after_max_deliveries(base_engine:
     errors = [e for e in events if isinstance(e, ErrorEvent)]
     assert len(errors) == 1 and errors[0].error_type == "generation"
     assert "maxDeliveries 3" in errors[0].message
-    assert last.redis.xpending(last.stream, last.group)["pending"] == 0 and stream_ids(last.redis) == []
+    assert last.redis.xpending(STREAM, last.group)["pending"] == 0 and stream_ids(last.redis) == []
 
 
 def test_live_worker_keeps_its_jobs_with_heartbeats(base_engine: TransformersEngine) -> None:
-    """A worker's heartbeat resets the idle time of its running jobs (XCLAIM JUSTID), so a slow but live
-    worker does not lose them to another worker's XAUTOCLAIM."""
+    """A worker's heartbeat resets the idle time of its running jobs (XCLAIM JUSTID, in each job's priority
+    stream), so a slow but live worker does not lose them to another worker's XAUTOCLAIM."""
     server = fakeredis.FakeServer()
     owner = make_loop(base_engine, server, "cpu:host:1", claim_idle_seconds=0.2)
     other = make_loop(base_engine, server, "cpu:host:2", claim_idle_seconds=0.2)
-    pod = Replies(owner.redis)  # the API pod waiting for the request
+    pod = Replies(owner.redis)  # the API pod waiting for the requests
     queue_job(owner.redis, "slow", max_new_tokens=50)
+    queue_job(owner.redis, "urgent", max_new_tokens=50, priority=1)
     owner.run_once()
+    assert set(owner._inflight) == {"slow", "urgent"}
     for _ in range(4):
         time.sleep(0.1)
         owner.heartbeat(time.time() + 10)  # due whatever the interval
         other.claim_abandoned()
     assert not other._inflight
-    time.sleep(0.25)  # no heartbeat: now it looks abandoned
+    time.sleep(0.25)  # no heartbeat: now they look abandoned
     other.claim_abandoned()
-    assert "slow" in other._inflight
+    assert set(other._inflight) == {"slow", "urgent"}
     assert len(pod.drain()["slow"]) == 1  # the token of the owner's first step
 
 
@@ -193,14 +209,14 @@ def test_cancel_drops_a_running_request_from_the_batch(base_engine: Transformers
     send_control(loop.redis, "b", "cancel")
     loop.run_once()
     assert loop.engine.batch_size == 2 and set(loop._inflight) == {"a", "c"}
-    assert loop.redis.xlen(loop.stream) == 2 and loop.redis.xpending(loop.stream, loop.group)["pending"] == 2
+    assert loop.redis.xlen(STREAM) == 2 and loop.redis.xpending(STREAM, loop.group)["pending"] == 2
     run_until(loop, lambda: loop.engine.idle)
     events = replies.drain()
     assert len(events["b"]) == before and events["b"][-1].finish is None
     for request_id in ("a", "c"):
         assert [e.index for e in events[request_id]] == list(range(40))
         assert events[request_id][-1].finish.finish_reason == "length"
-    assert loop.redis.xlen(loop.stream) == 0
+    assert loop.redis.xlen(STREAM) == 0
 
 
 def test_cancel_of_a_queued_request_skips_it(base_engine: TransformersEngine) -> None:
@@ -211,7 +227,7 @@ def test_cancel_of_a_queued_request_skips_it(base_engine: TransformersEngine) ->
     queue_job(loop.redis, "gone", max_new_tokens=40)
     send_control(loop.redis, "gone", "cancel", publish=False)  # no worker was listening
     queue_job(loop.redis, "kept")
-    run_until(loop, lambda: loop.engine.idle and loop.redis.xlen(loop.stream) == 0)
+    run_until(loop, lambda: loop.engine.idle and loop.redis.xlen(STREAM) == 0)
     events = replies.drain()
     assert "gone" not in events and events["kept"][-1].finish is not None
 
@@ -229,13 +245,13 @@ def test_stop_ends_a_request_with_stop_sequence_and_its_text(base_engine: Transf
     else:
         run_until(loop, lambda: len(replies.drain().get("s", [])) >= 3)
         send_control(loop.redis, "s", "stop")
-    run_until(loop, lambda: loop.engine.idle and loop.redis.xlen(loop.stream) == 0)
+    run_until(loop, lambda: loop.engine.idle and loop.redis.xlen(STREAM) == 0)
     events = replies.drain()["s"]
     assert [e.index for e in events] == list(range(len(events))) and len(events) < 40
     finish = events[-1].finish
     assert finish.finish_reason == "stop_sequence"
     assert finish.generated_text == "".join(e.token.text for e in events)
-    assert loop.redis.xlen(loop.stream) == 0
+    assert loop.redis.xlen(STREAM) == 0
 
 
 def test_job_past_its_deadline_is_not_started(base_engine: TransformersEngine) -> None:
@@ -250,7 +266,7 @@ def test_job_past_its_deadline_is_not_started(base_engine: TransformersEngine) -
     [event] = replies.drain()["late"]
     assert isinstance(event, ErrorEvent) and event.error_type == "incomplete_generation"
     assert "before a worker could start it" in event.message
-    assert loop.redis.xlen(loop.stream) == 0
+    assert loop.redis.xlen(STREAM) == 0
 
 
 def test_running_job_is_dropped_at_its_deadline(base_engine: TransformersEngine) -> None:
@@ -265,7 +281,7 @@ def test_running_job_is_dropped_at_its_deadline(base_engine: TransformersEngine)
     assert loop.engine.batch_size == 1 and set(loop._inflight) == {"other"}
     events = replies.drain()["slow"]
     assert isinstance(events[-1], ErrorEvent) and events[-1].error_type == "incomplete_generation"
-    assert loop.redis.xlen(loop.stream) == 1
+    assert loop.redis.xlen(STREAM) == 1
 
 
 

@@ -29,10 +29,10 @@ async def test_models_workers_and_queues_from_redis() -> None:
                                                 "cpu:host-c:13": now - 1})  # the last one is dead
     busy = WorkerStatus(device="cuda:0", batch_size=3, waiting=1, kv_reserved_tokens=900, kv_budget_tokens=4096)
     await redis.set(keys.worker_status("llama", "cuda:host-b:12"), busy.model_dump_json())
-    for _ in range(4):
-        await redis.xadd(keys.job_stream("llama"), {keys.JOB_FIELD: "{}"})
-    await redis.xadd(keys.job_stream("idle"), {keys.JOB_FIELD: "{}"})
-    await redis.xtrim(keys.job_stream("idle"), maxlen=0)  # a model whose stream is empty and has no worker
+    for priority in (1, 3, 5, 5):  # the queue depth counts the jobs of every priority
+        await redis.xadd(keys.job_stream("llama", priority), {keys.JOB_FIELD: "{}"})
+    await redis.xadd(keys.job_stream("idle", 2), {keys.JOB_FIELD: "{}"})
+    await redis.xtrim(keys.job_stream("idle", 2), maxlen=0)  # a model with an empty stream and no worker
 
     states = await read_status(redis, configured=["configured-only"])
     assert [state.model for state in states] == ["configured-only", "idle", "llama"]

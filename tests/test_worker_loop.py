@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -9,11 +10,12 @@ import fakeredis
 import pytest
 
 from common import keys
-from common.protocol import ErrorEvent, Job, SamplingParams, TokenEvent, decode_event
+from common.protocol import DEFAULT_PRIORITY, ErrorEvent, Job, SamplingParams, TokenEvent, decode_event
 from common.settings import Settings
 from worker.transformers_engine import TransformersEngine
 from worker.main import WorkerLoop
 
+STREAM = keys.job_stream("m")  # the default priority's
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_path: Path) -> TransformersEngine:
@@ -28,28 +30,45 @@ def loop(engine: TransformersEngine, tiny_model_path: Path) -> WorkerLoop:
     return worker
 
 
-def queue_job(loop: WorkerLoop, request_id: str, input_ids: list[int], max_new_tokens: int = 3) -> Job:
+@pytest.fixture
+def single(engine: TransformersEngine, tiny_model_path: Path) -> WorkerLoop:
+    """A worker whose batch holds one request (maxBatchSize 1): the jobs behind it wait in the job streams."""
+    settings = Settings(model_path=tiny_model_path, model_name="m", max_batch_size=1)
+    worker = WorkerLoop(settings, fakeredis.FakeRedis(), TransformersEngine(engine.model, engine.tokenizer, settings))
+    worker.connect()
+    return worker
+
+
+def queue_job(loop: WorkerLoop, request_id: str, input_ids: list[int], max_new_tokens: int = 3,
+              priority: int = DEFAULT_PRIORITY) -> Job:
+    """XADD a job as an API pod does: to its priority's stream."""
     job = Job(
         request_id=request_id,
         model="m",
         reply_channel=f"reply:{request_id}",
         input_ids=input_ids,
         params=SamplingParams(seed=1, max_new_tokens=max_new_tokens),
+        priority=priority,
         enqueued_at=time.time(),
     )
-    loop.redis.xadd(loop.stream, {keys.JOB_FIELD: job.model_dump_json()})
+    loop.redis.xadd(keys.job_stream("m", priority), {keys.JOB_FIELD: job.model_dump_json()})
     return job
 
 
 def run_until_idle(loop: WorkerLoop, subscriber) -> list[TokenEvent | ErrorEvent]:
     """Run the loop until nothing is left, and return the events published meanwhile."""
+    return [event for _, event in run_until_idle_by_request(loop, subscriber)]
+
+
+def run_until_idle_by_request(loop: WorkerLoop, subscriber) -> list[tuple[str, TokenEvent | ErrorEvent]]:
+    """Run the loop until nothing is left, and return the events published meanwhile with their request ids."""
     loop.run_once()
     while not loop.engine.idle:
         loop.run_once()
     events = []
     while (message := subscriber.get_message(timeout=0.1)) is not None:
         if message["type"] == "pmessage":
-            events.append(decode_event(message["data"]))
+            events.append((message["channel"].decode().removeprefix("reply:"), decode_event(message["data"])))
     return events
 
 
@@ -66,7 +85,7 @@ def test_job_is_generated_published_and_acknowledged(loop: WorkerLoop) -> None:
     events = run_until_idle(loop, subscriber)
     assert [e.index for e in events] == [0, 1, 2]
     assert events[-1].finish is not None and events[-1].finish.finish_reason == "length"
-    assert loop.redis.xpending(loop.stream, loop.group)["pending"] == 0
+    assert loop.redis.xpending(STREAM, loop.group)["pending"] == 0
 
 
 def test_job_that_cannot_fit_gets_an_error_and_is_acknowledged(loop: WorkerLoop) -> None:
@@ -77,16 +96,16 @@ def test_job_that_cannot_fit_gets_an_error_and_is_acknowledged(loop: WorkerLoop)
     errors = [e for e in events if isinstance(e, ErrorEvent)]
     assert len(errors) == 1 and "does not fit" in errors[0].message
     assert any(isinstance(e, TokenEvent) and e.finish is not None for e in events)
-    assert loop.redis.xpending(loop.stream, loop.group)["pending"] == 0
+    assert loop.redis.xpending(STREAM, loop.group)["pending"] == 0
 
 
 def test_malformed_job_is_dropped_and_others_still_served(loop: WorkerLoop) -> None:
     subscriber = subscribe(loop)
-    loop.redis.xadd(loop.stream, {keys.JOB_FIELD: b"{not json"})
+    loop.redis.xadd(STREAM, {keys.JOB_FIELD: b"{not json"})
     queue_job(loop, "ok", [1, 9])
     events = run_until_idle(loop, subscriber)
     assert events[-1].finish is not None
-    assert loop.redis.xpending(loop.stream, loop.group)["pending"] == 0
+    assert loop.redis.xpending(STREAM, loop.group)["pending"] == 0
 
 
 def test_engine_failure_fails_the_batch_and_the_loop_keeps_serving(
@@ -105,7 +124,7 @@ def test_engine_failure_fails_the_batch_and_the_loop_keeps_serving(
     monkeypatch.setattr(loop.engine, "step", original_step)
     events = run_until_idle(loop, subscriber)
     assert sorted(e.message for e in events if isinstance(e, ErrorEvent)) == ["generation failed: device lost"] * 2
-    assert loop.engine.idle and loop.redis.xpending(loop.stream, loop.group)["pending"] == 0
+    assert loop.engine.idle and loop.redis.xpending(STREAM, loop.group)["pending"] == 0
     queue_job(loop, "z", [1, 13])
     assert run_until_idle(loop, subscriber)[-1].finish is not None
 
@@ -129,4 +148,32 @@ def test_a_request_nobody_listens_to_is_dropped_at_its_first_token(loop: WorkerL
     assert set(loop._inflight) == {"heard"}
     events = run_until_idle(loop, subscriber)
     assert len(events) == 5 and events[-1].finish is not None
-    assert loop.redis.xpending(loop.stream, loop.group)["pending"] == 0 and loop.redis.xlen(loop.stream) == 0
+    assert loop.redis.xpending(STREAM, loop.group)["pending"] == 0 and loop.redis.xlen(STREAM) == 0
+
+
+def test_queued_jobs_start_most_urgent_first_then_in_arrival_order(single: WorkerLoop) -> None:
+    """Behind a full batch, jobs wait in their priority's stream; each time the batch has room (the poll of
+    the step that ends a request), the worker takes the oldest job of the most urgent priority that has one.
+    Every entry is acknowledged and deleted from its own stream."""
+    subscriber = subscribe(single)
+    queue_job(single, "running", [1, 50, 60], max_new_tokens=8)
+    single.run_once()
+    assert set(single._inflight) == {"running"}
+    for request_id, priority in (("a", 5), ("b", 3), ("c", 5), ("d", 1), ("e", 3), ("f", 1)):
+        queue_job(single, request_id, [1, 50, 60], priority=priority)
+    events = run_until_idle_by_request(single, subscriber)
+    started = [request_id for request_id, event in events if event.index == 0]
+    assert started == ["running", "d", "f", "b", "e", "a", "c"]
+    assert all(isinstance(event, TokenEvent) for _, event in events)
+    for stream in single.streams:
+        assert single.redis.xlen(stream) == 0 and single.redis.xpending(stream, single.group)["pending"] == 0
+
+
+def test_an_idle_worker_wakes_for_a_job_of_any_priority(loop: WorkerLoop) -> None:
+    """An idle worker blocks on every job stream at once: a job queued meanwhile, at any priority, is taken
+    as soon as it comes."""
+    subscriber = subscribe(loop)
+    threading.Timer(0.2, queue_job, (loop, "late", [1, 7]), {"priority": 2}).start()
+    loop.take_jobs(block=5000)
+    assert set(loop._inflight) == {"late"}
+    assert run_until_idle(loop, subscriber)[-1].finish is not None

@@ -20,10 +20,10 @@ from __future__ import annotations
 import importlib
 import time
 from abc import ABC, abstractmethod
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from common.protocol import AdapterRef, ErrorEvent, Finish, FinishReason, Job, TokenEvent, TokenInfo
 from common.settings import EngineName, Settings
@@ -181,6 +181,18 @@ def new_request_state(job: Job, decode: Decode, max_total_tokens: int) -> Reques
     """The state of a newly added job, its output limit lowered so prompt + output fit ``max_total_tokens``."""
     max_new = min(job.params.max_new_tokens, max_total_tokens - len(job.input_ids))
     return RequestState(job, TextStream(decode, job.params.stop), max_new, frozenset(job.params.stop_token_ids))
+
+
+T = TypeVar("T")
+
+
+def enqueue(waiting: deque[T], item: T, priority: Callable[[T], int]) -> None:
+    """Queue ``item`` behind every waiting item as urgent as it or more: the jobs an engine holds before they run
+    start in the order workers take them from the job streams (a lower priority first, then first come)."""
+    index = len(waiting)
+    while index and priority(waiting[index - 1]) > priority(item):
+        index -= 1
+    waiting.insert(index, item)
 
 
 def limits_refusal(job: Job, max_total_tokens: int, vocab_size: int) -> str | None:

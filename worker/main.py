@@ -1,6 +1,7 @@
 """``ferry-worker``: the queue loop of one worker process (one device).
 
-It reads jobs of its model from the job stream through the model's consumer group, hands them to the
+It reads jobs of its model from the job streams through the model's consumer group, the most urgent
+priority's first (first come, first served within one), hands them to the
 engine (any :class:`worker.engine.Engine`: the loop does not know which), publishes every token event to the job's reply channel
 and XACKs (and XDELs) a job once its last event is published. Run N processes (same MODEL_NAME, any
 hosts) for a pool. What it promises under failures is in docs/reliability.md:
@@ -22,7 +23,8 @@ import signal
 import socket
 import sys
 import time
-from typing import NamedTuple, get_args
+from collections.abc import Iterable
+from typing import Any, NamedTuple, get_args
 
 from pydantic import ValidationError
 from redis.client import Pipeline, PubSub
@@ -52,10 +54,25 @@ RECONNECT_MAX_DELAY = 5.0
 LOST_REDIS = (RedisConnectionError, RedisTimeoutError, ClusterError, RedisClusterException, TryAgainError)
 
 
+class Entry(NamedTuple):
+    """A job's entry: the job stream it is in (its priority's) and its id there."""
+
+    stream: str
+    message_id: bytes
+
+
+def by_stream(entries: Iterable[Entry]) -> dict[str, list[bytes]]:
+    """The entries' ids per stream, for the commands that take the ids of one stream."""
+    grouped: dict[str, list[bytes]] = {}
+    for stream, message_id in entries:
+        grouped.setdefault(stream, []).append(message_id)
+    return grouped
+
+
 class Running(NamedTuple):
     """A job this worker has accepted and not yet acknowledged."""
 
-    message_id: bytes  # its entry in the job stream
+    entry: Entry
     job: Job
     expires_at: float  # its deadline on this process's monotonic clock (Job.local_deadline)
 
@@ -69,7 +86,7 @@ class WorkerLoop:
         self.engine = engine
         self.model = settings.served_model_name
         self.metrics = metrics or WorkerMetrics(self.model, engine.kv_budget_tokens)
-        self.stream = keys.job_stream(self.model)
+        self.streams = keys.job_streams(self.model)  # the most urgent first
         self.group = keys.worker_group(self.model)
         self.consumer = keys.consumer_name(settings.worker_pool, socket.gethostname(), os.getpid())
         self._inflight: dict[str, Running] = {}  # by request id
@@ -84,12 +101,13 @@ class WorkerLoop:
     # -- set-up ------------------------------------------------------------------------------------
 
     def connect(self) -> None:
-        """Create the consumer group if needed and subscribe to the model's control channel."""
-        try:
-            self.redis.xgroup_create(self.stream, self.group, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        """Create the consumer group on each job stream if needed and subscribe to the model's control channel."""
+        for stream in self.streams:
+            try:
+                self.redis.xgroup_create(stream, self.group, id="0", mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
         if self._control is not None:
             self._control.close()
         self._control = self.redis.pubsub(ignore_subscribe_messages=True)
@@ -103,7 +121,7 @@ class WorkerLoop:
         self._running = False
 
     def run(self) -> None:
-        log.info("worker %s serving %s from %s", self.consumer, self.model, self.stream)
+        log.info("worker %s serving %s from %s", self.consumer, self.model, ", ".join(self.streams))
         delay = RECONNECT_FIRST_DELAY
         connected = False
         try:
@@ -145,17 +163,48 @@ class WorkerLoop:
         if not self.engine.idle:
             self.step()
 
-    def take_jobs(self, block: int | None = None, entries: list | None = None) -> None:
-        """Accept new jobs while the engine has room: ``entries`` already read (by :meth:`publish`'s
-        poll), then one at a time from the stream, blocking up to ``block`` ms for the first."""
+    def take_jobs(self, block: int | None = None, queued: list[str] | None = None) -> None:
+        """Accept new jobs while the engine has room, one at a time, from the most urgent stream holding one no
+        worker has taken (``queued``: those streams as :meth:`publish`'s poll found them; else looked up).
+        When none does, wait up to ``block`` ms for a job to come to any stream."""
         while self._running and self.engine.has_room():
-            if entries is None:
-                entries = self.redis.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=1, block=block)
+            if queued is None:
+                pipe = self.redis.pipeline(transaction=False)
+                self._queue_look(pipe)
+                queued = self._queued(pipe.execute())
+            entries = self._read_first(queued)
+            if not entries and block is not None:
+                # One read of every stream takes one job from each that has one: only jobs that came to
+                # several streams since the look, a rare race (the engine orders what it holds by priority).
+                entries = self.redis.xreadgroup(self.group, self.consumer, dict.fromkeys(self.streams, ">"),
+                                                count=1, block=block)
             if not entries:
                 return
-            for message_id, fields in entries[0][1]:
-                self.accept(message_id, fields)
-            entries, block = None, None
+            for stream, messages in entries:
+                for message_id, fields in messages:
+                    self.accept(Entry(stream.decode(), message_id), fields)
+            queued, block = None, None
+
+    def _queue_look(self, pipe: Pipeline) -> None:
+        """Ask for each job stream's length and pending count (read by :meth:`_queued`): a look that takes
+        nothing, since one XREADGROUP of several streams would take a job from each."""
+        for stream in self.streams:
+            pipe.xlen(stream)
+            pipe.xpending(stream, self.group)
+
+    def _queued(self, replies: list[Any]) -> list[str]:
+        """The streams holding jobs no worker has taken, the most urgent first, from :meth:`_queue_look`'s
+        replies: a stream holds a job until it is done (XACK and XDEL), so its entries not pending are those."""
+        lengths, pending = replies[::2], replies[1::2]
+        return [stream for stream, length, held in zip(self.streams, lengths, pending) if length > held["pending"]]
+
+    def _read_first(self, streams: list[str]) -> list[Any]:
+        """One job from the first of ``streams`` that still has one (another worker may have taken it since the
+        look), as XREADGROUP answers; [] when none has."""
+        for stream in streams:
+            if entries := self.redis.xreadgroup(self.group, self.consumer, {stream: ">"}, count=1):
+                return entries
+        return []
 
     def heartbeat(self, now: float) -> None:
         if now < self._next_heartbeat:
@@ -166,9 +215,9 @@ class WorkerLoop:
         pipe.zremrangebyscore(beats, "-inf", now)
         pipe.set(keys.worker_status(self.model, self.consumer), self.status().model_dump_json(),
                  px=int(HEARTBEAT_TTL_SECONDS * 1000))
-        if self._inflight:  # reset the idle time of our pending jobs: they are alive, not abandoned
-            ids = [running.message_id for running in self._inflight.values()]
-            pipe.xclaim(self.stream, self.group, self.consumer, 0, ids, justid=True)
+        # Reset the idle time of our pending jobs: they are alive, not abandoned.
+        for stream, ids in by_stream(running.entry for running in self._inflight.values()).items():
+            pipe.xclaim(stream, self.group, self.consumer, 0, ids, justid=True)
         pipe.execute()
         self._next_heartbeat = now + self._heartbeat_every
 
@@ -220,21 +269,23 @@ class WorkerLoop:
             self.ack([job.request_id for job in expired])
 
     def claim_abandoned(self) -> None:
-        """Take over jobs a dead worker left pending, up to the engine's room; fail those tried too often."""
+        """Take over jobs a dead worker left pending, the most urgent first; fail those tried too often."""
         min_idle = int(self.settings.claim_idle_seconds * 1000)
-        _, claimed, _ = self.redis.xautoclaim(self.stream, self.group, self.consumer, min_idle, count=8)
-        for message_id, fields in claimed:
-            pending = self.redis.xpending_range(self.stream, self.group, message_id, message_id, 1)
-            deliveries = pending[0]["times_delivered"] if pending else 1
-            log.warning("claimed abandoned job %s (delivery %d)", message_id, deliveries)
-            if deliveries > self.settings.max_deliveries:
-                job = self._parse(message_id, fields)
-                if job is not None:
-                    self.fail([job], f"the request failed on {deliveries - 1} workers in a row (maxDeliveries "
-                                     f"{self.settings.max_deliveries}); giving up", "generation")
-                self._ack_ids([message_id])
-            else:
-                self.accept(message_id, fields)
+        for stream in self.streams:
+            _, claimed, _ = self.redis.xautoclaim(stream, self.group, self.consumer, min_idle, count=8)
+            for message_id, fields in claimed:
+                pending = self.redis.xpending_range(stream, self.group, message_id, message_id, 1)
+                deliveries = pending[0]["times_delivered"] if pending else 1
+                log.warning("claimed abandoned job %s (delivery %d)", message_id, deliveries)
+                entry = Entry(stream, message_id)
+                if deliveries > self.settings.max_deliveries:
+                    job = self._parse(message_id, fields)
+                    if job is not None:
+                        self.fail([job], f"the request failed on {deliveries - 1} workers in a row (maxDeliveries "
+                                         f"{self.settings.max_deliveries}); giving up", "generation")
+                    self._ack_ids([entry])
+                else:
+                    self.accept(entry, fields)
 
     def _parse(self, message_id: bytes, fields: dict[bytes, bytes]) -> Job | None:
         try:
@@ -243,42 +294,42 @@ class WorkerLoop:
             log.error("dropping malformed job %s: %s", message_id, exc)
             return None
 
-    def accept(self, message_id: bytes, fields: dict[bytes, bytes]) -> None:
-        job = self._parse(message_id, fields)
+    def accept(self, entry: Entry, fields: dict[bytes, bytes]) -> None:
+        job = self._parse(entry.message_id, fields)
         if job is None:  # nobody can be answered without a valid reply channel: drop it, loudly
-            self._ack_ids([message_id])
+            self._ack_ids([entry])
             return
         if job.request_id in self._inflight:  # re-claimed while still running here
             return
         expires_at = job.local_deadline()
         if expires_at < time.monotonic():
             self.fail([job], "request timed out (e2eTimeout) before a worker could start it", "incomplete_generation")
-            self._ack_ids([message_id])
+            self._ack_ids([entry])
             return
         if (reason := self.engine.refusal(job)) is not None:
             self.fail([job], f"request does not fit this worker: {reason}", "generation")
-            self._ack_ids([message_id])
+            self._ack_ids([entry])
             return
         raw_control = self.redis.get(keys.control_key(self.model, job.request_id))
         control = Control.model_validate_json(raw_control) if raw_control else None
         if control is not None and control.action == "cancel":
-            self._ack_ids([message_id])
+            self._ack_ids([entry])
             return
         media: list[bytes] = []
         if job.media:
             found = self.redis.mget([ref.key for ref in job.media])
             if any(data is None for data in found):
                 self.fail([job], "the request's media are no longer in Redis (its API pod ended it)", "generation")
-                self._ack_ids([message_id])
+                self._ack_ids([entry])
                 return
             media = found
         try:
             self.engine.add(job, media)
         except RequestRefused as exc:
             self.fail([job], f"request does not fit this worker: {exc}", "validation")
-            self._ack_ids([message_id])
+            self._ack_ids([entry])
             return
-        self._inflight[job.request_id] = Running(message_id, job, expires_at)
+        self._inflight[job.request_id] = Running(entry, job, expires_at)
         if control is not None:
             self.apply_control(control)
 
@@ -308,13 +359,13 @@ class WorkerLoop:
         pipe = self.redis.pipeline(transaction=False)
         for out in outputs:
             publish(pipe, self.settings.redis_cluster, out.job.reply_channel, out.event.model_dump_json())
-        finished = [self._inflight.pop(out.job.request_id).message_id for out in outputs
+        finished = [self._inflight.pop(out.job.request_id).entry for out in outputs
                     if out.finished and out.job.request_id in self._inflight]
         if finished:
             self._queue_ack(pipe, finished)
         poll = self._running and self.engine.has_room()
         if poll:
-            pipe.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=1)
+            self._queue_look(pipe)
         replies = pipe.execute()
         orphans = [out.job.request_id for out, receivers in zip(outputs, replies) if receivers == 0 and not out.finished]
         if orphans:
@@ -323,7 +374,7 @@ class WorkerLoop:
                 self.engine.cancel(request_id)
             self.ack(orphans)
         if poll:
-            self.take_jobs(entries=replies[-1])
+            self.take_jobs(queued=self._queued(replies[-2 * len(self.streams):]))
 
     def fail(self, jobs: list[Job], message: str, error_type: str) -> None:
         self.metrics.observe_errors(len(jobs))
@@ -335,18 +386,19 @@ class WorkerLoop:
         pipe.execute()
 
     def ack(self, request_ids: list[str]) -> None:
-        self._ack_ids([self._inflight.pop(rid).message_id for rid in request_ids if rid in self._inflight])
+        self._ack_ids([self._inflight.pop(rid).entry for rid in request_ids if rid in self._inflight])
 
-    def _ack_ids(self, message_ids: list[bytes]) -> None:
-        if message_ids:
+    def _ack_ids(self, entries: list[Entry]) -> None:
+        if entries:
             pipe = self.redis.pipeline(transaction=False)
-            self._queue_ack(pipe, message_ids)
+            self._queue_ack(pipe, entries)
             pipe.execute()
 
-    def _queue_ack(self, pipe: Pipeline, message_ids: list[bytes]) -> None:
-        """Done with these entries: acknowledge and delete them (the stream's length is the queue depth)."""
-        pipe.xack(self.stream, self.group, *message_ids)
-        pipe.xdel(self.stream, *message_ids)
+    def _queue_ack(self, pipe: Pipeline, entries: list[Entry]) -> None:
+        """Done with these entries: acknowledge and delete them (the streams' lengths are the queue depth)."""
+        for stream, ids in by_stream(entries).items():
+            pipe.xack(stream, self.group, *ids)
+            pipe.xdel(stream, *ids)
 
     def drop_all(self, cause: Exception) -> None:
         """Forget every running request after losing Redis. On one server their pods' relays lost it too and

@@ -50,6 +50,7 @@ from worker.engine import (
     RequestRefused,
     RequestState,
     StepOutput,
+    enqueue,
     eos_token_ids,
     limits_refusal,
     new_request_state,
@@ -181,7 +182,7 @@ class TransformersEngine(Engine):
                                   for name, value in inputs.tensors.items()}
         if job.adapter is not None:
             self.adapters.acquire(job.adapter)
-        self._waiting.append(state)
+        enqueue(self._waiting, state, lambda seq: seq.job.priority)
 
     def unload_adapter(self, name: str) -> None:
         self.adapters.unload(name)
@@ -325,7 +326,8 @@ class TransformersEngine(Engine):
         self._running, self._batch = self._select(self._running, self._batch, keep)
 
     def _admit(self) -> list[RequestState]:
-        """Pop queued jobs, first come first served, while the batch, KV budget and prefill limits allow."""
+        """Pop queued jobs, the most urgent first (first come first served within a priority), while the batch,
+        KV budget and prefill limits allow."""
         settings = self.settings
         admitted: list[RequestState] = []
         reserved = self.reserved_tokens

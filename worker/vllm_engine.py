@@ -19,6 +19,8 @@ What this engine leaves to vLLM and what it keeps, so both engines answer the sa
   (with ``ignore_eos``) so both engines stop on the same tokens, with the request's own ``stop_token_ids``
   (and without the EOS set when the request has ``ignore_eos``); a stop string or a stopInfer order aborts
   the vLLM request at once.
+- Priority decides which queued jobs the worker takes (and hands vLLM) first; vLLM schedules the requests it
+  holds with its default policy, first come first served.
 
 Engine arguments come from the settings (model, dtype, maxSeqLen, maxBatchSize, trustRemoteCode) plus
 ``BackendConfig.vllmEngineArgs`` (env ``VLLM_ENGINE_ARGS``, a JSON object of further ``vllm.EngineArgs``
@@ -47,6 +49,7 @@ from worker.engine import (
     RequestRefused,
     RequestState,
     StepOutput,
+    enqueue,
     eos_token_ids,
     limits_refusal,
     new_request_state,
@@ -154,7 +157,7 @@ class VllmEngine(Engine):
 
     def has_room(self) -> bool:
         """vLLM schedules and pages the KV cache itself; the worker hands it up to maxBatchSize requests
-        (vLLM's ``max_num_seqs``), so the rest wait in the job stream where any worker can take them."""
+        (vLLM's ``max_num_seqs``), so the rest wait in the job streams where any worker can take them."""
         return len(self._requests) < self.settings.max_batch_size
 
     def add(self, job: Job, media: Sequence[bytes] = ()) -> None:
@@ -172,7 +175,7 @@ class VllmEngine(Engine):
         self._requests[job.request_id] = state
         if job.decoder_input_details:
             self._prompt_logprobs[job.request_id] = []
-        self._held.append(job.request_id)
+        enqueue(self._held, job.request_id, lambda rid: self._requests[rid].job.priority)
         self._submit_held()
 
     def _submit_held(self) -> None:
