@@ -28,7 +28,7 @@ from api.context import ServerContext
 from api.errors import VALIDATION_PREFIX, ProtocolError
 from api.media import MediaData, MediaRefused, MediaSource
 from api.pipeline import GenerationRequest, GenerationResult, PipelineError, Submission
-from common.protocol import SamplingParams
+from common.protocol import DEFAULT_PRIORITY, Priority, SamplingParams
 
 INLINE_TOKENIZE_CHARS = 256  # the tiny model's fast tokenizer: ~140 µs for 200 chars, 1.3 ms for 2048
 DEFAULT_MAX_NEW_TOKENS = 20  # SPEC.md, TGI and KServe routes
@@ -107,6 +107,7 @@ class InferenceRequest(BaseModel):
     ignore_eos: bool = False
     decoder_input_details: bool = False
     adapter: str | None = Field(None, description="the LoRA adapter's name; None: the base model")
+    priority: Priority = Field(DEFAULT_PRIORITY, description="1 (served first) to 5 (the default)")
 
     @classmethod
     def with_sampling(cls, params: BaseModel, **fields: Any) -> "InferenceRequest":
@@ -245,6 +246,7 @@ def resolve_ids(
         params=_sampling(ctx, protocol, request),
         decoder_input_details=request.decoder_input_details,
         adapter=request.adapter,
+        priority=request.priority,
     )
 
 

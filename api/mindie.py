@@ -16,11 +16,12 @@ all the text so far each time): a client joins the deltas, after the prompt it s
 stream started is a last ``{"error", "error_type"}`` object.
 
 ``/infer`` and ``/infer_token`` take the same body: a text ``inputs`` or token ids ``input_id``, TGI's
-``parameters`` plus ``priority`` (validated, not applied yet: the queue is first come, first served) and
-``timeout`` (seconds, the request's own deadline: past it a request answers 500 ``incomplete_generation``,
-or ends its stream with that error event; ``e2eTimeout`` and ``tokenTimeout`` still apply, the earliest
-wins). Their stream is SSE, one event per token with the pod's timings in ms: ``prefill_time`` on the
-first event (queueing to first token), ``decode_time`` on the others (since the previous token).
+``parameters`` plus ``priority`` (1 to 5, default 5: workers take a queued job of a lower number first, first
+come first served within one; running requests are not preempted) and ``timeout`` (seconds, the request's own
+deadline: past it a request answers 500 ``incomplete_generation``, or ends its stream with that error event;
+``e2eTimeout`` and ``tokenTimeout`` still apply, the earliest wins). Their stream is SSE, one event per token
+with the pod's timings in ms: ``prefill_time`` on the first event (queueing to first token), ``decode_time`` on
+the others (since the previous token).
 
 MindIE's status, health and metrics routes (GET), each read from the live workers' reports in Redis
 (:func:`api.health.model_states`, the reader of ``/health`` and ``/metrics``) and the pod's own
@@ -88,13 +89,12 @@ from api.sse import event_stream
 from api.tgi import TGI, render_tgi_error
 from api.tgi_schemas import TGIGenerateResponse
 from common.cluster import ModelState
-from common.protocol import TokenEvent
+from common.protocol import DEFAULT_PRIORITY, TokenEvent
 
 log = logging.getLogger(__name__)
 
 REQUEST_UUID = "RequestUUID"
 NUL_STREAM = "application/octet-stream"  # vLLM 0.2.6 sets none; its client splits the body on NUL bytes
-DEFAULT_PRIORITY = 5
 DEFAULT_HEALTH_SECONDS = 10  # GET /health/timed
 MAX_HEALTH_SECONDS = 3600
 HEALTH_PROMPT = "hi"
@@ -223,6 +223,7 @@ def infer_inference_request(body: MindIEInferRequest, request_id: str, stream: b
         do_sample=params.sampling,
         stop=params.stop or [],
         decoder_input_details=bool(params.decoder_input_details),
+        priority=DEFAULT_PRIORITY if params.priority is None else params.priority,
     )
 
 
@@ -243,7 +244,6 @@ async def infer(body: MindIEInferRequest, ctx: Ctx, http: Request) -> Response:
     timeout = body.parameters.timeout
     deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
     request = await resolve(ctx, TGI, infer_inference_request(body, http.state.request_uuid, body.stream))
-    log.debug("priority %d (not applied yet)", body.parameters.priority or DEFAULT_PRIORITY)
     if body.stream:
         return await _infer_stream(ctx, body, request, deadline)
     try:

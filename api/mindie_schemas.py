@@ -159,7 +159,7 @@ class MindIEParameters(TGIParameters):
     """``parameters`` of ``/infer``: TGI's, plus MindIE's ``priority`` and ``timeout``."""
 
     priority: Annotated[int | None, in_range("`priority` must be in [1, 5]. Given: {v}", ge=1, le=5)] = Field(
-        None, description="1 (highest) to 5; default 5. Validated, not applied yet: requests are served in order"
+        None, description="1 (served first) to 5; default 5. Queued requests of a lower number start first"
     )
     timeout: Annotated[
         int | None,

@@ -29,12 +29,14 @@ from common.logs import bind_request_id
 from common.protocol import (
     ADAPTER_NAME_PATTERN,
     ADAPTER_NAME_RULE,
+    DEFAULT_PRIORITY,
     AdapterRef,
     Control,
     ErrorEvent,
     Finish,
     Job,
     MediaRef,
+    Priority,
     SamplingParams,
     TokenEvent,
     TokenInfo,
@@ -73,6 +75,7 @@ class GenerationRequest(BaseModel):
     decoder_input_details: bool = False
     media: list[MediaData] = Field(default_factory=list, description="read and checked, in placeholder order")
     adapter: str | None = Field(None, description="the LoRA adapter's name; None: the base model")
+    priority: Priority = Field(DEFAULT_PRIORITY, description="1 (served first) to 5 (the default)")
 
 
 class GenerationResult(BaseModel):
@@ -333,6 +336,7 @@ async def _queue(ctx: ServerContext, request: GenerationRequest) -> Submission:
         decoder_input_details=request.decoder_input_details,
         media=[MediaRef(kind=item.kind, key=keys.media_key(ctx.model.model_id, job_id, index), size=len(item.data))
                for index, item in enumerate(request.media)],
+        priority=request.priority,
         enqueued_at=now,
         deadline=now + settings.e2e_timeout,
     )

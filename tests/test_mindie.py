@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,14 +18,17 @@ from typing import Any
 import fakeredis
 import httpx
 import pytest
+import redis
 from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
 from api.app import create_app
 from api.context import ServerContext
 from api.pipeline import GenerationRequest
+from common import keys
+from common.protocol import decode_event
 from common.settings import Settings
-from tests.conftest import Stack
+from tests.conftest import Stack, start_stack, stop_stack
 from tests.fakes import FakeSubmission, one_token_submit, patch_submit
 from tests.sse import sse_data
 
@@ -303,3 +308,62 @@ def test_e2e_infer_stream(stack: Stack) -> None:
     assert all(e["prefill_time"] is None and e["decode_time"] >= 0 for e in events[1:])
     assert events[-1]["generated_text"] == "".join(e["token"]["text"] for e in events)
     assert events[-1]["details"]["generated_tokens"] == 5
+
+
+@pytest.fixture(scope="module")
+def one_slot_stack(redis_url: str, tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A stack whose one worker runs one request at a time (maxBatchSize 1): the others wait in the queue."""
+    running = start_stack(redis_url, tiny_model_path, tmp_path_factory.mktemp("one-slot"),
+                          {"MAX_BATCH_SIZE": "1", "MAX_ITER_TIMES": "2000"})
+    yield running
+    stop_stack(running)
+
+
+def test_e2e_priority_orders_the_queue_behind_a_full_batch(one_slot_stack: Stack) -> None:
+    """`priority` under a full batch: while one long request holds the only slot, six /infer requests of mixed
+    priorities queue up in a known order; once the slot frees, they start the lowest priority number first,
+    first come first served within one (read from the worker's events on Redis, in the order it published)."""
+    stack, client = one_slot_stack, redis.Redis.from_url(one_slot_stack.redis_url)
+    events = client.pubsub()
+    events.psubscribe(keys.events_pattern("*"))
+    events.get_message(timeout=1)
+
+    def queue_depth() -> int:
+        return sum(client.xlen(stream) for stream in keys.job_streams(stack.model_name))
+
+    def wait_for_depth(depth: int) -> None:
+        deadline = time.monotonic() + 30
+        while queue_depth() < depth:
+            assert time.monotonic() < deadline, f"the queue did not reach {depth} jobs"
+            time.sleep(0.01)
+
+    request_ids: dict[str, str] = {}  # RequestUUID -> name
+
+    def infer(name: str, priority: int) -> None:
+        body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 3, "do_sample": False, "priority": priority}}
+        response = httpx.post(f"{stack.base_url}/infer", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        request_ids[response.headers["RequestUUID"]] = name
+
+    blocker = {"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 2000, "do_sample": False}}
+    with httpx.Client(timeout=60) as streamer, streamer.stream("POST", f"{stack.base_url}/infer", json=blocker) as long:
+        assert long.status_code == 200
+        lines = long.iter_lines()  # kept: a dropped iterator closes the stream
+        next(line for line in lines if line.startswith("data:"))  # it runs: the batch is full
+        threads = []
+        for name, priority in (("a", 5), ("b", 3), ("c", 5), ("d", 1), ("e", 3), ("f", 1)):
+            threads.append(threading.Thread(target=infer, args=(name, priority)))
+            threads[-1].start()
+            wait_for_depth(1 + len(threads))  # its job is queued before the next one is sent
+    for thread in threads:  # the blocker's client left: the worker dropped it and took the queued ones
+        thread.join(timeout=120)
+    assert len(request_ids) == 6
+    started = []
+    while (message := events.get_message(timeout=0.5)) is not None:
+        if message["type"] == "pmessage" and decode_event(message["data"]).index == 0:
+            client_id = keys.request_id_of(message["channel"].decode()).rsplit(".", 1)[0]
+            if client_id in request_ids:
+                started.append(request_ids[client_id])
+    events.close()
+    client.close()
+    assert started == ["d", "f", "b", "e", "a", "c"]
