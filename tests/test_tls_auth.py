@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import json
-import os
 import ssl
 import subprocess
 import sys
@@ -178,8 +177,7 @@ class Served:
 def serve_api(stack: Stack, log: Path, env: dict[str, str], context: ssl.SSLContext) -> Served:
     """A ``ferry-api`` process for the stack's model, served over TLS; waits until it answers."""
     port = free_port()
-    full_env = {**os.environ, "REDIS_URL": stack.redis_url, "MODEL_PATH": stack.env["MODEL_PATH"],
-                "MODEL_NAME": stack.model_name, "PORT": str(port), "HTTPS_ENABLED": "true", **env}
+    full_env = {**stack.env, "PORT": str(port), "HTTPS_ENABLED": "true", **env}  # the stack's Redis and model
     with open(log, "wb") as out:
         process = subprocess.Popen([sys.executable, "-m", "api.main"], env=full_env, stdout=out, stderr=out)
     served = Served(f"https://127.0.0.1:{port}", log, process)
