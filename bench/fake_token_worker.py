@@ -23,6 +23,7 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,15 +65,20 @@ class FakeTokenEngine(Engine):
         self._streams: dict[str, _Stream] = {}
 
     def refusal(self, job: Job) -> str | None:
+        if job.adapter is not None or job.media:
+            return "the fake token source has no model: no LoRA adapters, no media"
         return None
 
     def has_room(self) -> bool:
         return len(self._streams) < self.settings.max_batch_size
 
-    def add(self, job: Job) -> None:
+    def add(self, job: Job, media: Sequence[bytes] = ()) -> None:
         if job.request_id in self._streams:
             raise ValueError(f"request {job.request_id} is already running")
         self._streams[job.request_id] = _Stream(job, time.time(), time.monotonic())
+
+    def unload_adapter(self, name: str) -> None:
+        """Nothing to free: :meth:`refusal` takes no job with an adapter."""
 
     def cancel(self, request_id: str) -> bool:
         return self._streams.pop(request_id, None) is not None
