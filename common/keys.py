@@ -4,9 +4,8 @@ The braces are Redis Cluster hash tags: every key of a model hashes by the model
 in one slot (one shard), multi-key commands and pipelines on them stay on one node, and different models
 spread over the shards. A pod's request channels hash by the pod's id, so each pod's events go to one shard.
 
-- ``ferry:{<model>}:jobs:<priority>`` (priority 1 to 4) and ``ferry:{<model>}:jobs`` (5, the default: the name
-  it had before priorities, so jobs of an older API pod still reach new workers): the model's job streams, one
-  per :data:`common.protocol.PRIORITIES` level. Each entry has one field, ``job``, the JSON of a
+- ``ferry:{<model>}:jobs:<priority>`` (priority 1 to 4) and ``ferry:{<model>}:jobs`` (5, the default): the model's
+  job streams, one per :data:`common.protocol.PRIORITIES` level. Each entry has one field, ``job``, the JSON of a
   :class:`common.protocol.Job`. Workers XACK and XDEL an entry when the request is done, so the streams'
   lengths sum to the number of requests queued or running (the API's queue bound), and a stream's entries
   that are not pending in the group are its jobs no worker has taken yet. Workers take a job from the most
