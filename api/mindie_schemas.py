@@ -19,6 +19,7 @@ from api.pipeline import (
     MAX_STOP_CHARS,
     MAX_STOP_ITEMS,
     check_text,
+    check_token_ids,
     validate_stop,
 )
 from api.ranges import in_range, stop_schema, text_schema
@@ -192,10 +193,7 @@ class MindIEInferRequest(BaseModel):
     def _input_id(cls, v: list[int]) -> list[int]:
         if not v:
             raise ValueError("`input_id` cannot be empty")
-        bad = next((i for i in v if i < 0), None)
-        if bad is not None:
-            raise ValueError(f"`input_id` must be token ids, >= 0. Given: {bad}")
-        return v
+        return check_token_ids("input_id", v)
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "MindIEInferRequest":

@@ -96,6 +96,14 @@ def check_text(field: str, value: str) -> str:
     return value
 
 
+def check_token_ids(field: str, value: list[int]) -> list[int]:
+    """Reject a negative token id (the vocabulary bound is the pipeline's check, which knows the model)."""
+    bad = next((i for i in value if i < 0), None)
+    if bad is not None:
+        raise ValueError(f"`{field}` must be token ids, >= 0. Given: {bad}")
+    return value
+
+
 NO_ADAPTER = "None"  # SPEC.md: adapter_id's default, the base model
 
 
@@ -114,10 +122,7 @@ def validate_stop_token_ids(value: list[int] | None) -> list[int] | None:
     each a token id (the vocabulary bound is the pipeline's check)."""
     if value is not None and len(value) > MAX_STOP_ITEMS:
         raise ValueError(f"`stop_token_ids` supports up to {MAX_STOP_ITEMS} ids. Given: {len(value)}")
-    bad = next((i for i in value or () if i < 0), None)
-    if bad is not None:
-        raise ValueError(f"`stop_token_ids` must be token ids, >= 0. Given: {bad}")
-    return value
+    return None if value is None else check_token_ids("stop_token_ids", value)
 
 
 def validate_stop(value: list[str] | str | None) -> list[str]:
