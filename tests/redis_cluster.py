@@ -10,27 +10,17 @@ import os
 import shutil
 import signal
 import subprocess
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
 
 from common import keys
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_for
 
 PASSWORD = "s3cret-for-cluster-tests"
-
-
-def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
-        time.sleep(0.1)
-    return value
 
 
 @dataclass

@@ -49,24 +49,12 @@ from common.protocol import (
     decode_event,
 )
 from common.settings import Settings
-from tests.conftest import Stack, free_port, start_stack, stop_stack
+from tests.conftest import Stack, free_port, start_stack, stop_stack, wait_for
 from tests.fakes import one_token_submit, patch_submit
 from worker.transformers_engine import TransformersEngine
 from worker.main import WorkerLoop
 
 PROMPT = "def main("
-
-
-def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    """Poll ``condition`` until it returns something truthy; fail the test after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
 
 
 # ============================================================================ worker loop over fakeredis
