@@ -70,6 +70,7 @@ INSTEAD: dict[str, str] = {
     "npuDeviceIds": "one worker per device, device npu:N",
 }
 
+
 def refused_key(dotted: str, key: str) -> str:
     """One refused key as the error names it: its dotted path, and what Ferry has instead where that matters."""
     instead = INSTEAD.get(key)
