@@ -69,8 +69,8 @@ class FakeTokenEngine(Engine):
             return "the fake token source has no model: no LoRA adapters, no media"
         return None
 
-    def has_room(self) -> bool:
-        return len(self._streams) < self.settings.max_batch_size
+    def room(self) -> int:
+        return max(0, self.settings.max_batch_size - len(self._streams))
 
     def add(self, job: Job, media: Sequence[bytes] = ()) -> None:
         if job.request_id in self._streams:

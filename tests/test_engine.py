@@ -233,9 +233,9 @@ def test_kv_budget_makes_jobs_wait(model, served, tokenizer, prompts) -> None:
     assert sum(reserved[:2]) < budget < sum(reserved)
     engine.add(jobs[0])
     engine.add(jobs[1])
-    assert engine.has_room()
+    assert engine.room() > 0
     engine.add(jobs[2])
-    assert not engine.has_room()
+    assert engine.room() == 0
     events: dict[str, list[TokenEvent]] = {}
     first_token_step: dict[str, int] = {}
     finish_step: dict[str, int] = {}
@@ -260,15 +260,27 @@ def test_batch_size_limit(served, tokenizer, prompts) -> None:
     engine = make_engine(served, tokenizer, max_batch_size=2)
     jobs = [make_job(prompts[i], max_new_tokens=4 + i) for i in range(3)]
     engine.add(jobs[0])
-    assert engine.has_room()
+    assert engine.room() == 1
     engine.add(jobs[1])
-    assert not engine.has_room()
+    assert engine.room() == 0
     engine.add(jobs[2])  # the loop would not, but a queued job must simply wait
     events: dict[str, list[TokenEvent]] = {}
     collect(engine.step(), events)
     assert engine.batch_size == 2
     run(engine, {}, events)
     assert len(events[jobs[2].request_id]) == 6
+
+
+def test_room_is_what_the_next_prefill_takes(served, tokenizer, prompts) -> None:
+    """The worker takes no more jobs than the next prefill pass admits: the rest stay in the job streams,
+    where any worker of the pool can take them."""
+    engine = make_engine(served, tokenizer, max_batch_size=6, max_prefill_batch_size=4)
+    assert engine.room() == 4
+    for i in range(3):
+        engine.add(make_job(prompts[i], max_new_tokens=4))
+    assert engine.room() == 1
+    engine.step()  # the three start
+    assert engine.batch_size == 3 and engine.room() == 3  # batch slots are the limit now
 
 
 def test_held_jobs_start_most_urgent_first(served, tokenizer, prompts) -> None:

@@ -10,7 +10,7 @@ import fakeredis
 import pytest
 
 from common import keys
-from common.protocol import DEFAULT_PRIORITY, ErrorEvent, Job, SamplingParams, TokenEvent, decode_event
+from common.protocol import DEFAULT_PRIORITY, Control, ErrorEvent, Job, SamplingParams, TokenEvent, decode_event
 from common.settings import Settings
 from worker.transformers_engine import TransformersEngine
 from worker.main import WorkerLoop
@@ -167,6 +167,26 @@ def test_queued_jobs_start_most_urgent_first_then_in_arrival_order(single: Worke
     assert all(isinstance(event, TokenEvent) for _, event in events)
     for stream in single.streams:
         assert single.redis.xlen(stream) == 0 and single.redis.xpending(stream, single.group)["pending"] == 0
+
+
+def test_a_burst_of_jobs_is_taken_in_one_read_and_prefilled_together(loop: WorkerLoop) -> None:
+    """Jobs queued together are read together (up to the engine's room) with their control messages in one
+    round trip, so they share one prefill pass; one whose client left before it was read is dropped."""
+    subscriber = subscribe(loop)
+    for request_id in "abcde":
+        queue_job(loop, request_id, [1, 50, 60], max_new_tokens=2)
+    loop.redis.set(keys.control_key("m", "c"), Control(action="cancel", request_id="c").model_dump_json())
+    room = loop.engine.room()
+    reads: list[int] = []
+    xreadgroup = loop.redis.xreadgroup
+    loop.redis.xreadgroup = lambda *args, **kwargs: reads.append(kwargs["count"]) or xreadgroup(*args, **kwargs)
+    loop.take_jobs()
+    assert reads == [room] and room >= 5 and set(loop._inflight) == {"a", "b", "d", "e"}
+    loop.step()
+    assert loop.engine.batch_size == 4  # one prefill pass for the four
+    events = run_until_idle_by_request(loop, subscriber)
+    assert sorted({request_id for request_id, _ in events}) == ["a", "b", "d", "e"]
+    assert loop.redis.xlen(STREAM) == 0 and loop.redis.xpending(STREAM, loop.group)["pending"] == 0
 
 
 def test_an_idle_worker_wakes_for_a_job_of_any_priority(loop: WorkerLoop) -> None:

@@ -248,8 +248,10 @@ class Engine(ABC):
         this engine cannot apply), or None when it can."""
 
     @abstractmethod
-    def has_room(self) -> bool:
-        """Whether one more job could be added now without waiting behind the ones already added."""
+    def room(self) -> int:
+        """How many more jobs to hand over now: those that could start at the next steps without waiting
+        behind the ones already added (0: none). The worker reads up to that many from a job stream at once, so
+        jobs that came together start together, and leaves the rest in the streams for any worker of the pool."""
 
     @abstractmethod
     def add(self, job: Job, media: Sequence[bytes] = ()) -> None:

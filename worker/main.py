@@ -164,26 +164,35 @@ class WorkerLoop:
             self.step()
 
     def take_jobs(self, block: int | None = None, queued: list[str] | None = None) -> None:
-        """Accept new jobs while the engine has room, one at a time, from the most urgent stream holding one no
-        worker has taken (``queued``: those streams as :meth:`publish`'s poll found them; else looked up).
-        When none does, wait up to ``block`` ms for a job to come to any stream."""
-        while self._running and self.engine.has_room():
-            if queued is None:
-                pipe = self.redis.pipeline(transaction=False)
-                self._queue_look(pipe)
-                queued = self._queued(pipe.execute())
-            entries = self._read_first(queued)
-            if not entries and block is not None:
-                # One read of every stream takes one job from each that has one: only jobs that came to
-                # several streams since the look, a rare race (the engine orders what it holds by priority).
-                entries = self.redis.xreadgroup(self.group, self.consumer, dict.fromkeys(self.streams, ">"),
-                                                count=1, block=block)
-            if not entries:
+        """Accept as many new jobs as the engine has room for in one read per stream, the most urgent stream
+        holding jobs no worker has taken first (``queued``: those streams as :meth:`publish`'s poll found them;
+        else looked up). When none does, wait up to ``block`` ms for a job to come to any stream."""
+        if not self._running or not (room := self.engine.room()):
+            return
+        if queued is None:
+            pipe = self.redis.pipeline(transaction=False)
+            self._queue_look(pipe)
+            queued = self._queued(pipe.execute())
+        taken = False
+        for stream in queued:  # another worker may have taken a stream's jobs since the look
+            entries = self.redis.xreadgroup(self.group, self.consumer, {stream: ">"}, count=room)
+            taken = self._accept_read(entries) or taken
+            if not (room := self.engine.room()):
                 return
-            for stream, messages in entries:
-                for message_id, fields in messages:
-                    self.accept(Entry(stream.decode(), message_id), fields)
-            queued, block = None, None
+        if not taken and block is not None:
+            # One read of every stream takes one job from each that has one: only jobs that came to
+            # several streams since the look, a rare race (the engine orders what it holds by priority).
+            entries = self.redis.xreadgroup(self.group, self.consumer, dict.fromkeys(self.streams, ">"),
+                                            count=1, block=block)
+            if self._accept_read(entries):
+                self.take_jobs()  # the first job of a burst woke the worker: take the rest of it
+
+    def _accept_read(self, entries: list[Any]) -> bool:
+        """Accept what XREADGROUP answered; whether it held any job."""
+        read = [(Entry(stream.decode(), message_id), fields) for stream, messages in entries or []
+                for message_id, fields in messages]
+        self.accept(read)
+        return bool(read)
 
     def _queue_look(self, pipe: Pipeline) -> None:
         """Ask for each job stream's length and pending count (read by :meth:`_queued`): a look that takes
@@ -197,14 +206,6 @@ class WorkerLoop:
         replies: a stream holds a job until it is done (XACK and XDEL), so its entries not pending are those."""
         lengths, pending = replies[::2], replies[1::2]
         return [stream for stream, length, held in zip(self.streams, lengths, pending) if length > held["pending"]]
-
-    def _read_first(self, streams: list[str]) -> list[Any]:
-        """One job from the first of ``streams`` that still has one (another worker may have taken it since the
-        look), as XREADGROUP answers; [] when none has."""
-        for stream in streams:
-            if entries := self.redis.xreadgroup(self.group, self.consumer, {stream: ">"}, count=1):
-                return entries
-        return []
 
     def heartbeat(self, now: float) -> None:
         if now < self._next_heartbeat:
@@ -273,6 +274,7 @@ class WorkerLoop:
         min_idle = int(self.settings.claim_idle_seconds * 1000)
         for stream in self.streams:
             _, claimed, _ = self.redis.xautoclaim(stream, self.group, self.consumer, min_idle, count=8)
+            retried: list[tuple[Entry, dict[bytes, bytes]]] = []
             for message_id, fields in claimed:
                 pending = self.redis.xpending_range(stream, self.group, message_id, message_id, 1)
                 deliveries = pending[0]["times_delivered"] if pending else 1
@@ -285,7 +287,8 @@ class WorkerLoop:
                                          f"{self.settings.max_deliveries}); giving up", "generation")
                     self._ack_ids([entry])
                 else:
-                    self.accept(entry, fields)
+                    retried.append((entry, fields))
+            self.accept(retried)
 
     def _parse(self, message_id: bytes, fields: dict[bytes, bytes]) -> Job | None:
         try:
@@ -294,44 +297,56 @@ class WorkerLoop:
             log.error("dropping malformed job %s: %s", message_id, exc)
             return None
 
-    def accept(self, entry: Entry, fields: dict[bytes, bytes]) -> None:
-        job = self._parse(entry.message_id, fields)
-        if job is None:  # nobody can be answered without a valid reply channel: drop it, loudly
-            self._ack_ids([entry])
+    def accept(self, read: list[tuple[Entry, dict[bytes, bytes]]]) -> None:
+        """Hand jobs read from the streams to the engine, with their control messages (a client may have left,
+        or stopped them, before they were read: one round trip for all) and their media; answer the jobs that
+        cannot run with an error."""
+        jobs: list[tuple[Entry, Job, float]] = []
+        for entry, fields in read:
+            job = self._parse(entry.message_id, fields)
+            if job is None:  # nobody can be answered without a valid reply channel: drop it, loudly
+                self._ack_ids([entry])
+            elif job.request_id in self._inflight:  # re-claimed while still running here
+                continue
+            elif (expires_at := job.local_deadline()) < time.monotonic():
+                self.fail([job], "request timed out (e2eTimeout) before a worker could start it",
+                          "incomplete_generation")
+                self._ack_ids([entry])
+            elif (reason := self.engine.refusal(job)) is not None:
+                self.fail([job], f"request does not fit this worker: {reason}", "generation")
+                self._ack_ids([entry])
+            else:
+                jobs.append((entry, job, expires_at))
+        if not jobs:
             return
-        if job.request_id in self._inflight:  # re-claimed while still running here
-            return
-        expires_at = job.local_deadline()
-        if expires_at < time.monotonic():
-            self.fail([job], "request timed out (e2eTimeout) before a worker could start it", "incomplete_generation")
-            self._ack_ids([entry])
-            return
-        if (reason := self.engine.refusal(job)) is not None:
-            self.fail([job], f"request does not fit this worker: {reason}", "generation")
-            self._ack_ids([entry])
-            return
-        raw_control = self.redis.get(keys.control_key(self.model, job.request_id))
-        control = Control.model_validate_json(raw_control) if raw_control else None
-        if control is not None and control.action == "cancel":
-            self._ack_ids([entry])
-            return
+        pipe = self.redis.pipeline(transaction=False)  # GETs, not MGET: a cluster keeps them on several slots
+        for _, job, _ in jobs:
+            pipe.get(keys.control_key(self.model, job.request_id))
+        for (entry, job, expires_at), raw_control in zip(jobs, pipe.execute()):
+            control = Control.model_validate_json(raw_control) if raw_control else None
+            if control is not None and control.action == "cancel":
+                self._ack_ids([entry])
+            elif self._add(entry, job, expires_at) and control is not None:
+                self.apply_control(control)
+
+    def _add(self, entry: Entry, job: Job, expires_at: float) -> bool:
+        """Hand one job with its media to the engine; whether it took it (else its client got an error)."""
         media: list[bytes] = []
         if job.media:
             found = self.redis.mget([ref.key for ref in job.media])
             if any(data is None for data in found):
                 self.fail([job], "the request's media are no longer in Redis (its API pod ended it)", "generation")
                 self._ack_ids([entry])
-                return
+                return False
             media = found
         try:
             self.engine.add(job, media)
         except RequestRefused as exc:
             self.fail([job], f"request does not fit this worker: {exc}", "validation")
             self._ack_ids([entry])
-            return
+            return False
         self._inflight[job.request_id] = Running(entry, job, expires_at)
-        if control is not None:
-            self.apply_control(control)
+        return True
 
     def step(self) -> None:
         started = time.perf_counter()
@@ -363,7 +378,7 @@ class WorkerLoop:
                     if out.finished and out.job.request_id in self._inflight]
         if finished:
             self._queue_ack(pipe, finished)
-        poll = self._running and self.engine.has_room()
+        poll = self._running and self.engine.room() > 0
         if poll:
             self._queue_look(pipe)
         replies = pipe.execute()

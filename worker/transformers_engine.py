@@ -150,14 +150,15 @@ class TransformersEngine(Engine):
             return f"{len(job.input_ids)} prompt tokens exceed maxPrefillTokens ({self.settings.max_prefill_tokens})"
         return limits_refusal(job, self.max_total_tokens, self._vocab_size)
 
-    def has_room(self) -> bool:
-        """Whether one more job could join: running plus queued requests leave a batch slot and KV budget
-        (a queued job that does not fit yet exhausts the budget by itself, so nothing is taken past it)."""
+    def room(self) -> int:
+        """The batch slots running plus queued requests leave, no more than the next prefill pass takes, and
+        none once they hold the whole KV budget (a queued job that does not fit yet exhausts it by itself, so
+        nothing is taken past it)."""
+        settings = self.settings
         sequences = [*self._running, *self._waiting]
-        return (
-            len(sequences) < self.settings.max_batch_size
-            and sum(seq.reserved_tokens for seq in sequences) < self.settings.max_batch_total_tokens
-        )
+        if sum(seq.reserved_tokens for seq in sequences) >= settings.max_batch_total_tokens:
+            return 0
+        return max(0, min(settings.max_batch_size - len(sequences), settings.max_prefill_batch_size - len(self._waiting)))
 
     def add(self, job: Job, media: Sequence[bytes] = ()) -> None:
         """Queue a job for admission at a following step; a multimodal one with its prompt expanded by the

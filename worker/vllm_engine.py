@@ -155,10 +155,10 @@ class VllmEngine(Engine):
     def refusal(self, job: Job) -> str | None:
         return limits_refusal(job, self.max_total_tokens, self._vocab_size)
 
-    def has_room(self) -> bool:
+    def room(self) -> int:
         """vLLM schedules and pages the KV cache itself; the worker hands it up to maxBatchSize requests
         (vLLM's ``max_num_seqs``), so the rest wait in the job streams where any worker can take them."""
-        return len(self._requests) < self.settings.max_batch_size
+        return max(0, self.settings.max_batch_size - len(self._requests))
 
     def add(self, job: Job, media: Sequence[bytes] = ()) -> None:
         if media:
