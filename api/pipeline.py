@@ -373,6 +373,8 @@ async def _queue(ctx: ServerContext, request: GenerationRequest) -> Submission:
         for ref, item in zip(job.media, request.media):  # the bytes first: a worker may take the job at once
             pipe.set(ref.key, item.data, ex=int(settings.e2e_timeout) + 60)
         pipe.xadd(keys.job_stream(job.model, job.priority), {keys.JOB_FIELD: job.model_dump_json()})
+        publish(pipe, settings.redis_cluster, keys.control_channel(job.model),
+                Control(request_id=job_id, action="queued").model_dump_json())
         await pipe.execute()
     except BaseException as exc:
         ctx.relay.release(job_id)

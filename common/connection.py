@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 import redis.asyncio
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from common.settings import Settings
 
@@ -46,6 +46,70 @@ def async_client(settings: Settings, max_connections: int | None = None, pool_ti
     return redis.asyncio.Redis.from_pool(pool)
 
 
+def publish_command(sharded: bool, channel: str, message: str) -> tuple[str, str, str]:
+    """PUBLISH, or SPUBLISH in a cluster: the command's words."""
+    return ("SPUBLISH" if sharded else "PUBLISH", channel, message)
+
+
 def publish(client: Any, sharded: bool, channel: str, message: str) -> Any:
-    """PUBLISH, or SPUBLISH in a cluster, on a client or a pipeline (whose reply, the receivers, comes later)."""
-    return (client.spublish if sharded else client.publish)(channel, message)
+    """:func:`publish_command` on a client or a pipeline (whose reply, the receivers, comes later)."""
+    return client.execute_command(*publish_command(sharded, channel, message))
+
+
+class Outbox:
+    """Commands sent now whose replies are read later, so that the sender computes instead of waiting a round
+    trip (a worker sends a step's events and reads how many received each after its next step).
+
+    On one server they go out on a connection of the outbox's own and their replies wait in its socket. A
+    cluster client sends commands to several shards and its pipeline has no separate send, so there they run
+    as a pipeline at once and the replies are kept."""
+
+    def __init__(self, client: SyncRedis) -> None:
+        self._client = client
+        self._connection: Any = None
+        self._unread = 0  # replies waiting on the connection
+        self._replies: list[Any] = []  # a cluster's, already read
+
+    def send(self, commands: list[tuple[Any, ...]]) -> None:
+        """Send ``commands`` (each a command's words) in one write; the replies of the previous send must have
+        been read (:meth:`replies`)."""
+        assert not self._unread and not self._replies, "the previous send's replies are unread"
+        if isinstance(self._client, redis.RedisCluster):
+            pipe = self._client.pipeline(transaction=False)
+            for command in commands:
+                pipe.execute_command(*command)
+            self._replies = pipe.execute()
+            return
+        if self._connection is None:
+            self._connection = self._client.connection_pool.get_connection()
+        try:
+            self._connection.send_packed_command(self._connection.pack_commands(commands))
+        except BaseException:
+            self.discard()
+            raise
+        self._unread = len(commands)
+
+    def replies(self) -> list[Any]:
+        """The last send's replies, in order (waiting for those not in yet); [] once read. A refused command
+        raises its error after all the replies are read."""
+        replies, self._replies = self._replies, []
+        try:
+            while self._unread:
+                try:
+                    replies.append(self._connection.read_response())
+                except ResponseError as exc:
+                    replies.append(exc)
+                self._unread -= 1
+        except BaseException:
+            self.discard()
+            raise
+        if errors := [reply for reply in replies if isinstance(reply, ResponseError)]:
+            raise errors[0]
+        return replies
+
+    def discard(self) -> None:
+        """Forget what was sent and not read (after losing Redis): the connection is closed, a later send opens
+        it again."""
+        self._unread, self._replies = 0, []
+        if self._connection is not None:
+            self._connection.disconnect()

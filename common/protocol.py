@@ -146,10 +146,11 @@ class WorkerStatus(BaseModel):
 class Control(BaseModel):
     """Sent by an API pod to the model's workers. ``cancel``: the client left, drop the request silently;
     ``stop``: end it at its next token with finish_reason ``stop_sequence`` (Triton/MindIE stopInfer);
-    ``unload_adapter``: free the LoRA adapter named ``request_id`` once no running request uses it."""
+    ``unload_adapter``: free the LoRA adapter named ``request_id`` once no running request uses it;
+    ``queued``: a job was just queued (a worker with room looks for it now instead of every step)."""
 
     request_id: str = Field(description="the request; for unload_adapter, the adapter's name")
-    action: Literal["cancel", "stop", "unload_adapter"]
+    action: Literal["cancel", "stop", "unload_adapter", "queued"]
 
 
 Event = Annotated[Union[TokenEvent, ErrorEvent], Field(discriminator="type")]

@@ -365,6 +365,25 @@ def test_each_submission_of_a_request_id_is_a_job_of_its_own(tiny_model_path: Pa
     assert not redis_sync.exists(keys.inflight_key(model, "same"))
 
 
+def test_a_queued_job_is_announced_to_the_model_s_workers(tiny_model_path: Path) -> None:
+    """After XADD the pod publishes a ``queued`` notice naming the job on the model's control channel: that is
+    what sends a worker with a running batch to look in the job streams (worker.main.WorkerLoop.publish)."""
+    server = fakeredis.FakeServer()
+    redis_sync = fakeredis.FakeRedis(server=server)
+    settings = Settings(model_path=tiny_model_path, token_timeout=0.3)  # no worker: the request times out
+    with TestClient(create_app(settings, redis=fakeredis.FakeAsyncRedis(server=server))) as client:
+        model = client.app.state.ctx.model.model_id
+        listener = redis_sync.pubsub()
+        listener.subscribe(keys.control_channel(model))
+        client.post("/generate", json=body(3))
+        messages = iter(lambda: listener.get_message(timeout=0.2), None)
+        notices = [Control.model_validate_json(message["data"]) for message in messages if message["type"] == "message"]
+    (_, fields), = redis_sync.xrange(keys.job_stream(model))
+    job = Job.model_validate_json(fields[b"job"])
+    assert notices[0] == Control(request_id=job.request_id, action="queued")
+    assert [notice.action for notice in notices] == ["queued", "cancel"]  # then its timeout cancelled it
+
+
 # ============================================================================ bad input at the protocol level
 
 TGI_ROUTES = ["/", "/generate", "/generate_stream"]

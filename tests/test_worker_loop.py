@@ -65,6 +65,7 @@ def run_until_idle_by_request(loop: WorkerLoop, subscriber) -> list[tuple[str, T
     loop.run_once()
     while not loop.engine.idle:
         loop.run_once()
+    loop.settle()
     events = []
     while (message := subscriber.get_message(timeout=0.1)) is not None:
         if message["type"] == "pmessage":
@@ -187,6 +188,30 @@ def test_a_burst_of_jobs_is_taken_in_one_read_and_prefilled_together(loop: Worke
     events = run_until_idle_by_request(loop, subscriber)
     assert sorted({request_id for request_id, _ in events}) == ["a", "b", "d", "e"]
     assert loop.redis.xlen(STREAM) == 0 and loop.redis.xpending(STREAM, loop.group)["pending"] == 0
+
+
+def test_a_running_worker_looks_for_jobs_when_told_one_was_queued(loop: WorkerLoop) -> None:
+    """A worker with a running batch does not look in the job streams at every step: an API pod's ``queued``
+    notice on the control channel sends it there after the step it comes in, and without one it looks once
+    every LOOK_EVERY_SECONDS (a notice lost, or a pod that sends none)."""
+    subscriber = subscribe(loop)
+    queue_job(loop, "long", [1, 50, 60], max_new_tokens=40)
+    loop.run_once()
+    assert set(loop._inflight) == {"long"}
+    queue_job(loop, "silent", [1, 50, 61])  # no notice
+    for _ in range(3):
+        loop.run_once()
+    assert set(loop._inflight) == {"long"}
+    queue_job(loop, "told", [1, 50, 62])
+    loop.redis.publish(keys.control_channel("m"), Control(request_id="told", action="queued").model_dump_json())
+    loop.run_once()
+    assert set(loop._inflight) == {"long", "silent", "told"}  # one look finds both
+    queue_job(loop, "late", [1, 50, 63])  # again without a notice
+    loop._next_look = 0.0  # as if LOOK_EVERY_SECONDS had passed
+    loop.run_once()
+    assert "late" in loop._inflight
+    started = {request_id for request_id, _ in run_until_idle_by_request(loop, subscriber)}
+    assert started == {"long", "silent", "told", "late"}
 
 
 def test_an_idle_worker_wakes_for_a_job_of_any_priority(loop: WorkerLoop) -> None:

@@ -1,10 +1,12 @@
 """``ferry-worker``: the queue loop of one worker process (one device).
 
 It reads jobs of its model from the job streams through the model's consumer group, the most urgent
-priority's first (first come, first served within one), hands them to the
-engine (any :class:`worker.engine.Engine`: the loop does not know which), publishes every token event to the job's reply channel
-and XACKs (and XDELs) a job once its last event is published. Run N processes (same MODEL_NAME, any
-hosts) for a pool. What it promises under failures is in docs/reliability.md:
+priority's first (first come, first served within one), hands them to the engine (any
+:class:`worker.engine.Engine`: the loop does not know which), publishes every token event to the job's reply
+channel and XACKs (and XDELs) a job once its last event is published. A step's events go out while the engine
+computes the next step; a worker with a running batch looks for new jobs when an API pod's ``queued`` notice says
+one came. Run N processes (same MODEL_NAME, any hosts) for a pool. What it promises under failures is in
+docs/reliability.md:
 
 - a job stays pending in the group until its last event is out; while it runs, its worker keeps it fresh
   (XCLAIM JUSTID on every heartbeat), so only a dead worker's jobs go idle, and live workers take those
@@ -27,13 +29,13 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple, get_args
 
 from pydantic import ValidationError
-from redis.client import Pipeline, PubSub
+from redis.client import PubSub
 from redis.exceptions import ClusterError, RedisClusterException, ResponseError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common import keys
-from common.connection import REDIS_ERRORS, SyncRedis, publish, sync_client
+from common.connection import REDIS_ERRORS, Outbox, SyncRedis, publish, publish_command, sync_client
 from common.logs import configure_logging
 from common.process import command_parser, freeze_startup_heap
 from common.protocol import Control, ErrorEvent, Job, WorkerStatus
@@ -46,6 +48,9 @@ log = logging.getLogger("ferry.worker")
 
 HEARTBEAT_TTL_SECONDS = 10.0
 IDLE_BLOCK_MS = 1000
+LOOK_EVERY_SECONDS = 1.0
+"""A running worker with room looks for queued jobs when an API pod's ``queued`` notice says one came, and at
+least this often anyway (a notice is lost when the control subscription is, or comes from no older pod)."""
 RECONNECT_FIRST_DELAY = 0.1
 RECONNECT_MAX_DELAY = 5.0
 # What losing Redis (or the shard of the model's keys) raises: the loop reconnects instead of crashing. NOGROUP
@@ -91,6 +96,10 @@ class WorkerLoop:
         self.consumer = keys.consumer_name(settings.worker_pool, socket.gethostname(), os.getpid())
         self._inflight: dict[str, Running] = {}  # by request id
         self._control: PubSub | None = None
+        self._outbox = Outbox(redis)  # each step's events and acknowledgements
+        self._sent: list[StepOutput] = []  # the step whose events are in the outbox
+        self._look_due = True  # jobs may be queued that this worker has not looked for
+        self._next_look = 0.0  # monotonic
         self._running = True
         # Heartbeats also keep this worker's pending jobs fresh: well within the idle time that lets
         # another worker claim them.
@@ -115,6 +124,7 @@ class WorkerLoop:
             self._control.ssubscribe(keys.control_channel(self.model))
         else:
             self._control.subscribe(keys.control_channel(self.model))
+        self._look_due = True  # notices may have been missed meanwhile
 
     def stop(self) -> None:
         """Stop taking jobs; the running batch is finished and acknowledged before :meth:`run` returns."""
@@ -141,7 +151,9 @@ class WorkerLoop:
                     time.sleep(delay)
                     delay = min(delay * 2, RECONNECT_MAX_DELAY)
         finally:
+            self._running = False
             try:
+                self.settle()  # the last step's events and acknowledgements
                 self.redis.zrem(keys.heartbeats(self.model), self.consumer)
                 self.redis.delete(keys.worker_status(self.model, self.consumer))
             except (*REDIS_ERRORS, OSError):
@@ -158,26 +170,25 @@ class WorkerLoop:
         if self._running and now >= self._next_claim:
             self._next_claim = now + self.settings.claim_idle_seconds / 2
             self.claim_abandoned()
-        if self.engine.idle:  # nothing to compute: wait for a job (a running batch polls in publish)
+        if self.engine.idle:  # nothing to compute: wait for a job (a running batch looks in publish)
+            self.settle()
             self.take_jobs(IDLE_BLOCK_MS)
         if not self.engine.idle:
             self.step()
 
-    def take_jobs(self, block: int | None = None, queued: list[str] | None = None) -> None:
-        """Accept as many new jobs as the engine has room for in one read per stream, the most urgent stream
-        holding jobs no worker has taken first (``queued``: those streams as :meth:`publish`'s poll found them;
-        else looked up). When none does, wait up to ``block`` ms for a job to come to any stream."""
+    def take_jobs(self, block: int | None = None) -> None:
+        """Look which job streams hold jobs no worker has taken and accept as many as the engine has room for,
+        in one read per stream, the most urgent stream first. When none does, wait up to ``block`` ms for a
+        job to come to any stream."""
         if not self._running or not (room := self.engine.room()):
             return
-        if queued is None:
-            pipe = self.redis.pipeline(transaction=False)
-            self._queue_look(pipe)
-            queued = self._queued(pipe.execute())
+        self._look_due, self._next_look = False, time.monotonic() + LOOK_EVERY_SECONDS
         taken = False
-        for stream in queued:  # another worker may have taken a stream's jobs since the look
+        for stream in self._queued():  # another worker may have taken a stream's jobs since the look
             entries = self.redis.xreadgroup(self.group, self.consumer, {stream: ">"}, count=room)
             taken = self._accept_read(entries) or taken
             if not (room := self.engine.room()):
+                self._look_due = True  # the streams may hold more: look again once there is room
                 return
         if not taken and block is not None:
             # One read of every stream takes one job from each that has one: only jobs that came to
@@ -194,16 +205,15 @@ class WorkerLoop:
         self.accept(read)
         return bool(read)
 
-    def _queue_look(self, pipe: Pipeline) -> None:
-        """Ask for each job stream's length and pending count (read by :meth:`_queued`): a look that takes
-        nothing, since one XREADGROUP of several streams would take a job from each."""
+    def _queued(self) -> list[str]:
+        """The streams holding jobs no worker has taken, the most urgent first: a look that takes nothing (one
+        XREADGROUP of several streams would take a job from each). A stream holds a job until it is done (XACK
+        and XDEL), so its entries not pending are those."""
+        pipe = self.redis.pipeline(transaction=False)
         for stream in self.streams:
             pipe.xlen(stream)
             pipe.xpending(stream, self.group)
-
-    def _queued(self, replies: list[Any]) -> list[str]:
-        """The streams holding jobs no worker has taken, the most urgent first, from :meth:`_queue_look`'s
-        replies: a stream holds a job until it is done (XACK and XDEL), so its entries not pending are those."""
+        replies = pipe.execute()
         lengths, pending = replies[::2], replies[1::2]
         return [stream for stream, length, held in zip(self.streams, lengths, pending) if length > held["pending"]]
 
@@ -248,6 +258,9 @@ class WorkerLoop:
             self.apply_control(control)
 
     def apply_control(self, control: Control) -> None:
+        if control.action == "queued":
+            self._look_due = True
+            return
         if control.action == "unload_adapter":  # request_id names the adapter
             self.engine.unload_adapter(control.request_id)
             return
@@ -364,34 +377,44 @@ class WorkerLoop:
         self.publish(outputs)
 
     def publish(self, outputs: list[StepOutput]) -> None:
-        """One round trip per step: the step's events, then the acknowledgement of the jobs that just
-        finished (after their last event), and, when the batch has room, a look for a new job.
+        """Send the step's events, then the acknowledgement of the jobs that just finished (after their last
+        event), in one round trip that goes on while the engine computes the next step (its replies are read
+        by :meth:`settle`); then, when the batch has room and a job may be queued, take new jobs.
 
         PUBLISH answers how many subscribers got the event. The pod that queued a job subscribed to its
         channel before queueing it (one pattern subscription per pod, for the pod's lifetime), so no
         receiver means that pod is gone (killed, or cut off from Redis, which fails its requests): the
-        request is cancelled at once instead of being computed for nobody."""
-        pipe = self.redis.pipeline(transaction=False)
-        for out in outputs:
-            publish(pipe, self.settings.redis_cluster, out.job.reply_channel, out.event.model_dump_json())
+        request is cancelled instead of being computed for nobody."""
+        commands: list[tuple[Any, ...]] = [
+            publish_command(self.settings.redis_cluster, out.job.reply_channel, out.event.model_dump_json())
+            for out in outputs
+        ]
         finished = [self._inflight.pop(out.job.request_id).entry for out in outputs
                     if out.finished and out.job.request_id in self._inflight]
-        if finished:
-            self._queue_ack(pipe, finished)
-        poll = self._running and self.engine.room() > 0
-        if poll:
-            self._queue_look(pipe)
-        replies = pipe.execute()
-        orphans = [out.job.request_id for out, receivers in zip(outputs, replies) if receivers == 0 and not out.finished]
+        commands += self._ack_commands(finished)
+        self.settle()  # the previous step's events go out first
+        self._outbox.send(commands)
+        self._sent = outputs
+        self.apply_controls()  # the notices of jobs queued during the step
+        if self._look_due or time.monotonic() >= self._next_look:
+            self.take_jobs()
+
+    def settle(self) -> None:
+        """Read the replies of the last step's events and cancel the requests they reached no one for. Called
+        before the next step's are sent, before anything else this worker publishes (a request's events keep
+        their order) and before waiting idle."""
+        outputs, self._sent = self._sent, []
+        replies = self._outbox.replies()
+        orphans = [out.job.request_id for out, receivers in zip(outputs, replies)
+                   if receivers == 0 and not out.finished and out.job.request_id in self._inflight]
         if orphans:
             log.warning("dropping %d requests whose API pod is gone", len(orphans))
             for request_id in orphans:
                 self.engine.cancel(request_id)
             self.ack(orphans)
-        if poll:
-            self.take_jobs(queued=self._queued(replies[-2 * len(self.streams):]))
 
     def fail(self, jobs: list[Job], message: str, error_type: str) -> None:
+        self.settle()
         self.metrics.observe_errors(len(jobs))
         pipe = self.redis.pipeline(transaction=False)
         for job in jobs:
@@ -406,18 +429,20 @@ class WorkerLoop:
     def _ack_ids(self, entries: list[Entry]) -> None:
         if entries:
             pipe = self.redis.pipeline(transaction=False)
-            self._queue_ack(pipe, entries)
+            for command in self._ack_commands(entries):
+                pipe.execute_command(*command)
             pipe.execute()
 
-    def _queue_ack(self, pipe: Pipeline, entries: list[Entry]) -> None:
+    def _ack_commands(self, entries: list[Entry]) -> list[tuple[Any, ...]]:
         """Done with these entries: acknowledge and delete them (the streams' lengths are the queue depth)."""
-        for stream, ids in by_stream(entries).items():
-            pipe.xack(stream, self.group, *ids)
-            pipe.xdel(stream, *ids)
+        return [command for stream, ids in by_stream(entries).items()
+                for command in (("XACK", stream, self.group, *ids), ("XDEL", stream, *ids))]
 
     def drop_all(self, cause: Exception) -> None:
         """Forget every running request after losing Redis. On one server their pods' relays lost it too and
         answered them; in a cluster the shard of their channels may still be up, so they are told there."""
+        self._outbox.discard()  # its replies, if any come, are about requests dropped here
+        self._sent = []
         jobs = [running.job for running in self._inflight.values()]
         for job in jobs:
             self.engine.cancel(job.request_id)
