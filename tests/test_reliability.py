@@ -377,7 +377,8 @@ def test_a_queued_job_is_announced_to_the_model_s_workers(tiny_model_path: Path)
         listener.subscribe(keys.control_channel(model))
         client.post("/generate", json=body(3))
         messages = iter(lambda: listener.get_message(timeout=0.2), None)
-        notices = [Control.model_validate_json(message["data"]) for message in messages if message["type"] == "message"]
+        notices = [Control.model_validate_json(message["data"]) for message in messages
+                   if message["type"] == "message"]
     (_, fields), = redis_sync.xrange(keys.job_stream(model))
     job = Job.model_validate_json(fields[b"job"])
     assert notices[0] == Control(request_id=job.request_id, action="queued")

@@ -50,7 +50,7 @@ HEARTBEAT_TTL_SECONDS = 10.0
 IDLE_BLOCK_MS = 1000
 LOOK_EVERY_SECONDS = 1.0
 """A running worker with room looks for queued jobs when an API pod's ``queued`` notice says one came, and at
-least this often anyway (a notice is lost when the control subscription is, or comes from no older pod)."""
+least this often anyway (a notice is lost with the control subscription, and an older pod sends none)."""
 RECONNECT_FIRST_DELAY = 0.1
 RECONNECT_MAX_DELAY = 5.0
 # What losing Redis (or the shard of the model's keys) raises: the loop reconnects instead of crashing. NOGROUP
