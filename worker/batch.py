@@ -4,8 +4,8 @@ Rows are left-padded to a common cache width, so a decode step is one forward pa
 whatever the rows' lengths: the attention mask hides each row's padding and explicit position ids keep
 every row's positions starting at 0, exactly as if it ran alone. Rows that finish are filtered out and
 padding columns no remaining row needs are trimmed; newly prefilled rows are merged in by left-padding
-the narrower of the two caches. The KV cache is a ``transformers`` 5 ``DynamicCache``, read through its
-public ``layers`` and built only through its public ``update`` API.
+the narrower of the two caches. The KV cache is a ``transformers`` 5 ``DynamicCache`` whose layers append in
+place (:mod:`worker.kv_cache`), read through its public ``layers`` and built only through its public ``update`` API.
 
 Each row also carries the name of its LoRA adapter (None: the base model). Once the model is wrapped in a
 peft ``PeftModel`` every pass gives peft these names (its ``adapter_names``), so rows of several adapters
@@ -25,6 +25,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from common.protocol import SamplingParams
 from worker.attention import accepts_4d_mask
+from worker.kv_cache import GrowingCache
 from worker.sampling import BatchSampler
 
 BASE_ADAPTER = "__base__"
@@ -110,7 +111,7 @@ class DecodeBatch:
         input_ids = torch.tensor(padded, dtype=torch.long, device=model.device)
         attention_mask = torch.tensor(mask, dtype=torch.bool, device=model.device)
         positions = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
-        cache = DynamicCache()
+        cache = GrowingCache()
         mask = _causal_mask(attention_mask) if forward.mask_4d else attention_mask
         logits = forward.call(model, input_ids, mask, positions, cache, 0 if any(prompt_details) else 1,
                               extra_inputs, _adapter_names(model, adapters))
@@ -210,7 +211,7 @@ def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _build_cache(layers: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
     """A new cache holding the given (keys, values) of each layer, in layer order."""
-    cache = DynamicCache()
+    cache = GrowingCache()
     for layer, (keys, values) in enumerate(layers):
         cache.update(keys, values, layer)
     return cache

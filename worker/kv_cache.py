@@ -1,0 +1,71 @@
+"""The running batch's KV cache: ``transformers``' ``DynamicCache`` whose layers append in place.
+
+A stock ``DynamicLayer`` appends a decode step's keys and values with ``torch.cat``, which copies the whole
+cache of every layer at every step: at 8 rows of 100 positions that is about a tenth of a small model's decode
+step on CPU (bench/RESULTS.md). :class:`GrowingLayer` keeps each layer's keys and values in a buffer with room
+for :data:`SPARE_POSITIONS` more positions and writes new ones into it; its ``keys``/``values`` are views of the
+filled part, so everything that reads a ``DynamicLayer`` (the model's attention, :mod:`worker.batch`) reads it
+unchanged. A buffer is copied only when it is full, once every :data:`SPARE_POSITIONS` decode steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
+
+SPARE_POSITIONS = 32
+"""Positions a layer's buffer holds beyond what it was last grown to: the memory a row may hold beyond its
+cached tokens (like the unused tail of a paged cache's last block), against one full copy per that many steps."""
+
+
+class GrowingLayer(DynamicLayer):
+    """``DynamicLayer`` that appends into a buffer with spare positions instead of concatenating."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``key_states``/``value_states`` [batch, heads, new, dim]; returns all keys and values so far."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length = self.get_seq_length()
+        end = length + key_states.shape[-2]
+        if not self._appends_in_place(key_states, end):
+            shape = (*key_states.shape[:-2], end + SPARE_POSITIONS, key_states.shape[-1])
+            keys, values = key_states.new_empty(shape), value_states.new_empty(shape)
+            if length:
+                keys[..., :length, :].copy_(self.keys)
+                values[..., :length, :].copy_(self.values)
+            self._buffers = (keys, values)
+        keys, values = self._buffers
+        keys[..., length:end, :].copy_(key_states)
+        values[..., length:end, :].copy_(value_states)
+        self.keys, self.values = keys[..., :end, :], values[..., :end, :]
+        return self.keys, self.values
+
+    def _appends_in_place(self, key_states: torch.Tensor, end: int) -> bool:
+        """Whether the buffer can take positions up to ``end``: it exists, has room, has the new states'
+        rows and heads, and ``keys`` is still the view this layer made (``DynamicLayer``'s own methods, such
+        as ``batch_select_indices``, replace it with a tensor of their own)."""
+        if self._buffers is None:
+            return False
+        buffer = self._buffers[0]
+        return (
+            end <= buffer.shape[-2]
+            and buffer.shape[:-2] == key_states.shape[:-2]
+            and buffer.dtype == key_states.dtype
+            and self.keys.data_ptr() == buffer.data_ptr()
+        )
+
+
+class GrowingCache(DynamicCache):
+    """A ``DynamicCache`` made of :class:`GrowingLayer` (one per model layer, created at its first update)."""
+
+    def __init__(self) -> None:
+        Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
