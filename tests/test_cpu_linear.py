@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from worker.cpu_linear import PackedLinear, packed_dtypes, use_packed_linear
+from worker.cpu_linear import DENSE_ROWS, PackedLinear, SiblingGroup, packed_dtypes, use_packed_linear
 
 
 @pytest.mark.parametrize("dtype", packed_dtypes())
@@ -62,6 +62,72 @@ def test_a_cpu_model_switches_every_float_linear(tiny_model_path: Path) -> None:
     assert all(type(m) is PackedLinear for m in linears)
     assert use_packed_linear(model) == 0  # already switched: nothing left to do
     torch.testing.assert_close(output, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_siblings_share_one_packed_product(tiny_model_path: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    use_packed_linear(model)
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert attention.q_proj.group is attention.k_proj.group is attention.v_proj.group is not None
+    assert mlp.gate_proj.group is mlp.up_proj.group is not None
+    assert attention.o_proj.group is None and mlp.down_proj.group is None
+    assert not hasattr(attention.q_proj, "packed_weight")  # the group's stacked copy replaces the members'
+
+
+def _group(sizes: list[int], bias: bool = True) -> list[PackedLinear]:
+    torch.manual_seed(0)
+    layers = []
+    for size in sizes:
+        layer = torch.nn.Linear(32, size, bias=bias)
+        layer.__class__ = PackedLinear
+        layer.pack()
+        layers.append(layer)
+    SiblingGroup(layers)
+    return layers
+
+
+def _reference(layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(x, layer.weight, layer.bias)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_group_gives_each_member_its_own_output(bias: bool) -> None:
+    first, second, third = _group([16, 8, 8], bias)
+    x, y = torch.randn(4, 3, 32), torch.randn(4, 3, 32)
+    with torch.inference_mode():
+        outputs = [third(x), first(x), second(y), second(y), first(x)]  # any order, other inputs, repeats
+        expected = [_reference(third, x), _reference(first, x), _reference(second, y), _reference(second, y),
+                    _reference(first, x)]
+    for output, want in zip(outputs, expected):
+        assert output.is_contiguous()
+        torch.testing.assert_close(output, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_group_follows_a_changed_member_weight() -> None:
+    first, second = _group([16, 8])
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        second.weight.mul_(3)
+        second.pack()
+        torch.testing.assert_close(second(x), _reference(second, x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(first(x), _reference(first, x), atol=1e-5, rtol=1e-5)
+
+
+def test_a_copy_of_a_member_stands_alone() -> None:
+    first, _ = _group([16, 8])
+    x = torch.randn(5, 32)
+    clone = copy.deepcopy(first)
+    assert clone.group is None
+    torch.testing.assert_close(clone(x), _reference(first, x), atol=1e-5, rtol=1e-5)
+
+
+def test_a_single_row_takes_the_dense_weight() -> None:
+    """MKL's matrix-vector product on the dense weight: the same numbers as ``F.linear``, bit for bit."""
+    first, _ = _group([16, 8])
+    with torch.inference_mode():
+        for rows in range(1, DENSE_ROWS + 1):
+            x = torch.randn(1, rows, 32)
+            assert torch.equal(first(x), _reference(first, x))
 
 
 def test_a_bfloat16_model_switches_only_where_onednn_packs_bfloat16(tiny_model_path: Path) -> None:

@@ -4,12 +4,18 @@ A decode step of a small batch is a chain of skinny matrix products ([batch, hid
 CPU, ``torch.nn.functional.linear`` hands each to MKL's plain sgemm, which at 2 to 32 rows spends much of its
 time re-laying out the weight. oneDNN's inner product on a weight already in its blocked layout does not,
 which is what vLLM's CPU backend does for its linear layers too. The measured effect is in
-bench/RESULTS.md ("The built-in engine on CPU").
+bench/RESULTS.md ("The built-in engine on CPU"). A single float32 row is the exception: MKL's matrix-vector
+product on the dense weight beats oneDNN there (:data:`DENSE_ROWS`).
 
 :func:`use_packed_linear` switches every ``torch.nn.Linear`` of a CPU model whose weight dtype oneDNN packs on
-this CPU (:func:`packed_dtypes`) to :class:`PackedLinear` (a subclass, so code that looks for ``nn.Linear``, peft's adapters included, still
-finds it). The packed weight is a copy: the dense weight stays, because tied weights (an LM head shared
-with the input embeddings) and adapters read it; a model's linear weights take twice their memory on CPU.
+this CPU (:func:`packed_dtypes`) to :class:`PackedLinear` (a subclass, so code that looks for ``nn.Linear``,
+peft's adapters included, still finds it). The packed weight is a copy: the dense weight stays, because tied
+weights (an LM head shared with the input embeddings) and adapters read it; a model's linear weights take
+twice their memory on CPU.
+
+Layers that a model calls one after the other on the same input (:data:`SIBLINGS`: attention's query, key and
+value projections, a gated MLP's gate and up projections) share one packed weight, their weights stacked, and
+one oneDNN product serves them all, as vLLM's merged QKV and gate-up layers do: fewer, wider products.
 """
 
 from __future__ import annotations
@@ -23,20 +29,37 @@ BATCH_HINT = 32
 """The row count oneDNN is told to expect when it chooses the weight's layout (any count works; measured
 here, hints from 1 to 128 gave the same speed within noise at 1 to 256 rows)."""
 
+DENSE_ROWS = 1
+"""Float32 inputs of at most this many rows take ``F.linear`` on the dense weight instead of oneDNN: the linear
+layers of a decode step of the 28M bench model on one core took 7.3 ms that way against 10.1 ms through oneDNN
+at 1 row (2.4 ms less at 2 and 3 rows, more at 4 and beyond, on an Intel host; an AMD host measured oneDNN
+ahead from 2 rows on; bench/RESULTS.md)."""
+
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Names of linear layers of one module that the model calls on the same input, one after the other (the
+Llama family's names: Llama, Mistral, Qwen, Gemma and more)."""
+
 
 class PackedLinear(torch.nn.Linear):
-    """``nn.Linear`` whose forward pass runs oneDNN's inner product on a weight packed by :func:`pack`."""
+    """``nn.Linear`` whose forward pass runs oneDNN's inner product on a weight packed by :func:`pack`, or
+    takes its output from its :class:`SiblingGroup` when it belongs to one."""
 
     packed_weight: torch.Tensor
+    group: "SiblingGroup | None" = None
 
     def pack(self) -> None:
         """(Re)build the packed copy from the dense weight; call it after changing ``weight``."""
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_size=BATCH_HINT)
+        if self.group is not None:
+            self.group.pack()
+        else:
+            self.packed_weight = _pack(self.weight)
 
     def __getstate__(self) -> dict[str, Any]:
-        """Copies and pickles leave out the packed weight (oneDNN's opaque tensors have no storage to copy)..."""
+        """Copies and pickles leave out the packed weight (oneDNN's opaque tensors have no storage to copy)
+        and the sibling group (a copy of one layer has no siblings)..."""
         state = self.__dict__.copy()
         state.pop("packed_weight", None)
+        state.pop("group", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -46,7 +69,46 @@ class PackedLinear(torch.nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.detach()
+        if input.numel() <= DENSE_ROWS * self.in_features and input.dtype == torch.float32:
+            return torch.nn.functional.linear(input, self.weight.detach(), bias)
+        if self.group is not None:
+            return self.group.output(self, input)
         return torch.ops.mkldnn._linear_pointwise(input, self.packed_weight, bias, "none", [], "")
+
+
+class SiblingGroup:
+    """Packed layers that read one input, computed as one: the first member called with an input computes
+    every member's output in one oneDNN product and the others take theirs for that same input tensor.
+    An input is matched by identity, so a member called with another tensor (a model that feeds them
+    different inputs) gets a product of its own; the outputs are held only until every member took its own,
+    and each is made contiguous, as a layer's own output is (models ``view`` them)."""
+
+    def __init__(self, members: list[PackedLinear]) -> None:
+        self.members = members
+        self._sizes = [member.out_features for member in members]
+        self._input: torch.Tensor | None = None
+        self._outputs: dict[int, torch.Tensor] = {}
+        for member in members:
+            member.group = self
+            member.__dict__.pop("packed_weight", None)  # the group's stacked copy replaces it
+        self.pack()
+
+    def pack(self) -> None:
+        """(Re)build the stacked packed weight (and bias) from the members' dense ones."""
+        self.packed_weight = _pack(torch.cat([member.weight.detach() for member in self.members]))
+        biases = [member.bias for member in self.members]
+        self.bias = None if biases[0] is None else torch.cat([bias.detach() for bias in biases])  # type: ignore[union-attr]
+
+    def output(self, member: PackedLinear, input: torch.Tensor) -> torch.Tensor:
+        if input is not self._input or id(member) not in self._outputs:
+            stacked = torch.ops.mkldnn._linear_pointwise(input, self.packed_weight, self.bias, "none", [], "")
+            self._input = input
+            parts = stacked.split(self._sizes, dim=-1)
+            self._outputs = {id(m): part.contiguous() for m, part in zip(self.members, parts)}
+        output = self._outputs.pop(id(member))
+        if not self._outputs:
+            self._input = None
+        return output
 
 
 def packed_dtypes() -> tuple[torch.dtype, ...]:
@@ -61,7 +123,8 @@ def packs_linear(model: PreTrainedModel) -> bool:
 
 
 def use_packed_linear(model: PreTrainedModel) -> int:
-    """Switch the model's linear layers to :class:`PackedLinear` (see the module docstring); returns how many."""
+    """Switch the model's linear layers to :class:`PackedLinear` and group :data:`SIBLINGS` (see the module
+    docstring); returns how many layers switched."""
     if not packs_linear(model):
         return 0
     dtypes = packed_dtypes()
@@ -71,4 +134,23 @@ def use_packed_linear(model: PreTrainedModel) -> int:
             module.__class__ = PackedLinear
             module.pack()
             count += 1
+    for module in model.modules():
+        for names in SIBLINGS:
+            members = [getattr(module, name, None) for name in names]
+            if _groupable(members):
+                SiblingGroup(members)  # type: ignore[arg-type]
     return count
+
+
+def _groupable(members: list[Any]) -> bool:
+    """Packed layers, in no group yet, of one input size, dtype and bias kind."""
+    first = members[0]
+    return all(
+        type(member) is PackedLinear and member.group is None and member.in_features == first.in_features
+        and member.weight.dtype == first.weight.dtype and (member.bias is None) == (first.bias is None)
+        for member in members
+    )
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size=BATCH_HINT)
