@@ -32,8 +32,8 @@ here, hints from 1 to 128 gave the same speed within noise at 1 to 256 rows)."""
 DENSE_ROWS = 1
 """Float32 inputs of at most this many rows take ``F.linear`` on the dense weight instead of oneDNN: the linear
 layers of a decode step of the 28M bench model on one core took 7.3 ms that way against 10.1 ms through oneDNN
-at 1 row (2.4 ms less at 2 and 3 rows, more at 4 and beyond, on an Intel host; an AMD host measured oneDNN
-ahead from 2 rows on; bench/RESULTS.md)."""
+at 1 row (2.4 and 3.1 ms less at 2 and 3 rows, more from 4 rows on, on an Intel host; an AMD host measured
+oneDNN ahead from 2 rows on; bench/RESULTS.md)."""
 
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Names of linear layers of one module that the model calls on the same input, one after the other (the
