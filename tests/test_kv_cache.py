@@ -23,6 +23,16 @@ def test_appends_like_dynamic_layer_across_buffer_growth() -> None:
     assert growing.get_seq_length() == stock.get_seq_length() == 5 + 2 * SPARE_POSITIONS + 3
 
 
+def test_values_keep_their_own_head_dim() -> None:
+    """Some attention kinds (DeepSeek's MLA) cache values narrower than keys."""
+    torch.manual_seed(0)
+    growing, stock = GrowingLayer(), DynamicLayer()
+    for new in (4, 1, 1):
+        keys, values = torch.randn(2, 2, new, 6), torch.randn(2, 2, new, 4)
+        got, want = growing.update(keys, values), stock.update(keys, values)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_decode_steps_write_into_one_buffer_until_it_is_full() -> None:
     layer = GrowingLayer()
     layer.update(*_states(2, 10))

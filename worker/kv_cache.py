@@ -37,8 +37,9 @@ class GrowingLayer(DynamicLayer):
         length = self.get_seq_length()
         end = length + key_states.shape[-2]
         if not self._appends_in_place(key_states, end):
-            shape = (*key_states.shape[:-2], end + SPARE_POSITIONS, key_states.shape[-1])
-            keys, values = key_states.new_empty(shape), value_states.new_empty(shape)
+            rows_heads, capacity = key_states.shape[:-2], end + SPARE_POSITIONS
+            keys = key_states.new_empty((*rows_heads, capacity, key_states.shape[-1]))
+            values = value_states.new_empty((*rows_heads, capacity, value_states.shape[-1]))  # its own head dim
             if length:
                 keys[..., :length, :].copy_(self.keys)
                 values[..., :length, :].copy_(self.values)
