@@ -296,7 +296,8 @@ def test_a_failing_forward_pass_drops_its_batch(model, served, tokenizer, prompt
     engine = make_engine(served, tokenizer)
     engine.add(make_job(prompts[0], max_new_tokens=10))
     engine.step()
-    monkeypatch.setattr(served, "forward", lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("device lost")))
+    # the LM head: every decode pass ends there, the model's forward as the Llama decode step
+    monkeypatch.setattr(served.lm_head, "forward", lambda *args: (_ for _ in ()).throw(RuntimeError("device lost")))
     with pytest.raises(RuntimeError, match="device lost"):
         engine.step()
     assert engine.idle

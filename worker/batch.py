@@ -26,6 +26,7 @@ from transformers import DynamicCache, PreTrainedModel
 from common.protocol import SamplingParams
 from worker.attention import accepts_4d_mask
 from worker.kv_cache import GrowingCache
+from worker.llama_decode import LlamaDecodeStep
 from worker.sampling import BatchSampler
 
 BASE_ADAPTER = "__base__"
@@ -42,11 +43,13 @@ class ForwardArgs:
     mask_4d: bool
     position_ids: bool
     logits_to_keep: bool
+    decode_step: LlamaDecodeStep | None = None  # the model's decode step without its forward, where it applies
 
     @classmethod
     def of(cls, model: PreTrainedModel) -> "ForwardArgs":
         declared = inspect.signature(model.forward).parameters
-        return cls(accepts_4d_mask(model), "position_ids" in declared, "logits_to_keep" in declared)
+        return cls(accepts_4d_mask(model), "position_ids" in declared, "logits_to_keep" in declared,
+                   LlamaDecodeStep.of(model))
 
     def call(
         self, model: PreTrainedModel | PeftModel, input_ids: torch.Tensor, mask: torch.Tensor,
@@ -132,8 +135,11 @@ class DecodeBatch:
         """Feed every row's last token, append it to the cache and choose the next one."""
         attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones((self.size, 1))], dim=1)
         mask = attention_mask[:, None, None, :] if forward.mask_4d else attention_mask
-        logits = forward.call(model, self.next_ids, mask, self.positions, self.cache,
-                              adapter_names=_adapter_names(model, self.adapters))
+        if forward.decode_step is not None and model is forward.decode_step.model:  # not wrapped by peft
+            logits = forward.decode_step(self.next_ids, mask, self.positions, self.cache)
+        else:
+            logits = forward.call(model, self.next_ids, mask, self.positions, self.cache,
+                                  adapter_names=_adapter_names(model, self.adapters))
         self.attention_mask = attention_mask
         ids, logprobs = self.sampler(logits[:, -1, :])
         self.next_ids = ids[:, None]

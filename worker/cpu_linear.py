@@ -68,12 +68,17 @@ class PackedLinear(torch.nn.Linear):
         self.pack()
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.detach()
-        if input.numel() <= DENSE_ROWS * self.in_features and input.dtype == torch.float32:
-            return torch.nn.functional.linear(input, self.weight.detach(), bias)
+        if _dense(input, self.in_features):
+            return self.dense(input)
         if self.group is not None:
             return self.group.output(self, input)
+        bias = None if self.bias is None else self.bias.detach()
         return torch.ops.mkldnn._linear_pointwise(input, self.packed_weight, bias, "none", [], "")
+
+    def dense(self, input: torch.Tensor) -> torch.Tensor:
+        """The output through ``F.linear`` on the dense weight (:data:`DENSE_ROWS`)."""
+        bias = None if self.bias is None else self.bias.detach()
+        return torch.nn.functional.linear(input, self.weight.detach(), bias)
 
 
 class SiblingGroup:
@@ -99,9 +104,16 @@ class SiblingGroup:
         biases = [member.bias for member in self.members]
         self.bias = None if biases[0] is None else torch.cat([bias.detach() for bias in biases])  # type: ignore[union-attr]
 
+    def stacked(self, input: torch.Tensor) -> torch.Tensor:
+        """Every member's output for ``input``, side by side in the last dimension in member order (one product;
+        one per member through its dense weight for a single row, :data:`DENSE_ROWS`)."""
+        if _dense(input, self.members[0].in_features):
+            return torch.cat([member.dense(input) for member in self.members], dim=-1)
+        return torch.ops.mkldnn._linear_pointwise(input, self.packed_weight, self.bias, "none", [], "")
+
     def output(self, member: PackedLinear, input: torch.Tensor) -> torch.Tensor:
         if input is not self._input or id(member) not in self._outputs:
-            stacked = torch.ops.mkldnn._linear_pointwise(input, self.packed_weight, self.bias, "none", [], "")
+            stacked = self.stacked(input)
             self._input = input
             parts = stacked.split(self._sizes, dim=-1)
             self._outputs = {id(m): part.contiguous() for m, part in zip(self.members, parts)}
@@ -150,6 +162,11 @@ def _groupable(members: list[Any]) -> bool:
         and member.weight.dtype == first.weight.dtype and (member.bias is None) == (first.bias is None)
         for member in members
     )
+
+
+def _dense(input: torch.Tensor, in_features: int) -> bool:
+    """Whether ``input`` takes the dense weight's ``F.linear`` (:data:`DENSE_ROWS`)."""
+    return input.numel() <= DENSE_ROWS * in_features and input.dtype == torch.float32
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
