@@ -133,9 +133,10 @@ class ServerContext:
         return min(self.settings.max_seq_len, self.model.max_position_embeddings)
 
 
-def get_ctx(request: Request) -> ServerContext:
+async def get_ctx(request: Request) -> ServerContext:
     """FastAPI dependency: the app's context, for the model the route's ``{model}`` names when the pod serves
-    it (routes check an unknown name themselves: it gets the default model's context)."""
+    it (routes check an unknown name themselves: it gets the default model's context). Async, as every
+    dependency here: FastAPI runs a sync one in its thread pool, a thread hop per request."""
     ctx: ServerContext = request.app.state.ctx
     name = request.path_params.get("model")
     return (ctx.for_model(name) if name is not None else None) or ctx

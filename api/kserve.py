@@ -103,7 +103,7 @@ def _invalid(message: str) -> ProtocolError:
 Ctx = Annotated[ServerContext, Depends(get_ctx)]
 
 
-def known_model(model: str, ctx: Ctx) -> str:
+async def known_model(model: str, ctx: Ctx) -> str:
     """Route dependency: 404 for any model but the served one (checked before the body is validated)."""
     if model != ctx.model.model_id:
         raise ProtocolError(404, f"Model {model} not found.", "NotFoundError")
