@@ -8,9 +8,10 @@ the model's own modules (embeddings, RMSNorms, rotary embedding, LM head), its g
 stacked q/k/v product as one tensor and rotates them together (``roll`` and a sign-folded sine in place of
 ``rotate_half``'s slices and ``cat``), and the gated MLP's halves as views of one product: the same operations
 on the same values in the same order, so its logits are bit-identical to the model's forward
-(tests/test_llama_decode.py), at about 9 % less time per step at 1 and 8 rows on the bench model.
+(tests/test_llama_decode.py), in about 8 % less time per step at 8 rows and 4 % at 32 on the bench model (the
+same at 1 row; bench/RESULTS.md).
 
-It only takes the families whose decoder layer it reproduces (:data:`FAMILIES`), loaded as :func:`applies`
+It only takes the families whose decoder layer it reproduces (:data:`FAMILIES`), prepared as :func:`applies`
 checks; every other model, a model wrapped by peft for LoRA, and prompt passes run the model's forward.
 """
 
