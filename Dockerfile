@@ -8,6 +8,10 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG EXTRA_PACKAGES=""
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 WORKDIR /app
+# A C++ compiler for torch.compile: Inductor builds the CPU workers' compiled decode step with it (COMPILE_DECODE);
+# on a base image without apt-get the step stays eager.
+RUN if command -v apt-get > /dev/null; then \
+        apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*; fi
 RUN pip install torch==2.13.0 --index-url ${TORCH_INDEX_URL}
 # The dependencies in a layer of their own, read from pyproject.toml before any source is copied: editing the
 # code rebuilds only the layers below.

@@ -36,10 +36,11 @@ def test_values_keep_their_own_head_dim() -> None:
 def test_decode_steps_write_into_one_buffer_until_it_is_full() -> None:
     layer = GrowingLayer()
     layer.update(*_states(2, 10))
-    buffer = layer.keys.data_ptr()
+    buffer, strides = layer.keys.data_ptr(), layer.keys.stride()
     for _ in range(SPARE_POSITIONS):
         keys, _ = layer.update(*_states(2, 1))
         assert keys.data_ptr() == buffer  # no copy of the cache
+        assert keys.stride() == strides  # never the whole buffer (a compiled step is specialised on strides)
     keys, _ = layer.update(*_states(2, 1))
     assert keys.data_ptr() != buffer and keys.shape == (2, 2, 10 + SPARE_POSITIONS + 1, 4)
 

@@ -1,12 +1,19 @@
-"""The Llama-family decode step gives bit-identical logits to the model's forward, and only takes what it can."""
+"""The Llama-family decode step gives bit-identical logits to the model's forward, and only takes what it can;
+compiled, it gives the same logits within float rounding, with one graph for every batch, and a worker serves
+the same tokens with it."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+import httpx
 import pytest
 import torch
+import torch._dynamo
 from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
@@ -14,6 +21,7 @@ from common.protocol import SamplingParams
 from worker.attention import use_padded_attention
 from worker.batch import DecodeBatch, ForwardArgs
 from worker.cpu_linear import use_packed_linear
+from tests.conftest import start_stack, stop_stack
 from worker.llama_decode import LlamaDecodeStep
 
 SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -37,11 +45,13 @@ def prefill(model: PreTrainedModel, forward: ForwardArgs, prompts: list[list[int
 
 
 def assert_same_steps(model: PreTrainedModel, prompts: list[list[int]], steps: int = 6,
-                      edit: Callable[[DecodeBatch], None] | None = None) -> None:
-    """Decode ``steps`` tokens through the decode step and through the model's forward, from the same prompts,
-    comparing logits bit for bit at every step (``edit`` changes both batches after the second step)."""
-    forward = ForwardArgs.of(model)
+                      edit: Callable[[DecodeBatch], None] | None = None, forward: ForwardArgs | None = None) -> None:
+    """Decode ``steps`` tokens through the decode step (``forward``'s, else an eager one) and through the model's
+    forward, from the same prompts, comparing logits at every step: bit for bit, or within float rounding for a
+    compiled step (``edit`` changes both batches after the second step)."""
+    forward = forward or ForwardArgs.of(model)
     assert forward.decode_step is not None
+    compiled = forward.decode_step.compiled is not None
     plain = dataclasses.replace(forward, decode_step=None)
     with torch.inference_mode():
         lean, reference = prefill(model, forward, prompts), prefill(model, plain, prompts)
@@ -50,7 +60,11 @@ def assert_same_steps(model: PreTrainedModel, prompts: list[list[int]], steps: i
             logits = forward.decode_step(lean.next_ids, mask[:, None, None, :], lean.positions, lean.cache)
             expected = plain.call(model, reference.next_ids, mask[:, None, None, :], reference.positions,
                                   reference.cache)
-            assert logits.shape == expected.shape and torch.equal(logits, expected), f"step {step}"
+            assert logits.shape == expected.shape, f"step {step}"
+            if compiled:
+                torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5, msg=f"step {step}")
+            else:
+                assert torch.equal(logits, expected), f"step {step}"
             for batch in (lean, reference):
                 batch.attention_mask = mask
                 batch.next_ids = expected[:, -1].argmax(-1, keepdim=True)
@@ -118,3 +132,73 @@ def test_models_it_does_not_reproduce_keep_their_forward(model_type: str, overri
     if packed:
         use_packed_linear(model)
     assert LlamaDecodeStep.of(model) is None and ForwardArgs.of(model).decode_step is None
+
+
+@pytest.mark.parametrize("model_type,overrides", [
+    ("llama", {}),
+    ("qwen2", {"num_key_value_heads": 4}),  # biased q/k/v products, multi-head attention
+])
+def test_the_compiled_step_equals_the_forward_with_one_graph(model_type: str, overrides: dict[str, object]) -> None:
+    """Rows, cache lengths and buffers change from step to step (a filter, a merge, buffers that fill up and
+    grow): one graph serves them all, and batches of one row or a short cache take the eager step."""
+    model = served_model(model_type, **overrides)
+    forward = ForwardArgs.of(model, compile_decode=True)
+    step = forward.decode_step
+    assert step is not None and step.compiled is not None
+    calls: list[int] = []
+    graph = step.compiled
+    step.compiled = lambda *args: calls.append(args[0].shape[0]) or graph(*args)
+
+    def filter_and_merge(batch: DecodeBatch) -> None:
+        batch.filter([2, 0])
+        batch.merge(prefill(model, forward, [[40, 41, 42, 43, 44, 45, 46, 47], [50, 51]]))  # a wider cache
+
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert_same_steps(model, [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]], steps=40, edit=filter_and_merge,
+                          forward=forward)  # 40 steps: past the buffers' spare positions
+        assert sorted(set(calls)) == [3, 4]
+        calls.clear()
+        assert_same_steps(model, [[3, 4, 5]], forward=forward)  # one row
+        assert_same_steps(model, [[3], [4]], steps=1, forward=forward)  # a cache of one position
+    assert calls == []
+
+
+def test_a_step_that_does_not_compile_stays_eager(monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """Inductor fails where it has no C++ compiler: the worker still serves, with the eager step."""
+    def failing(*args: object) -> None:
+        raise RuntimeError("no C++ compiler found\n(details)")
+
+    monkeypatch.setattr(torch, "compile", lambda function, **options: failing)
+    model = served_model("llama")
+    with caplog.at_level(logging.WARNING, logger="worker.llama_decode"):
+        forward = ForwardArgs.of(model, compile_decode=True)
+    assert forward.decode_step is not None and forward.decode_step.compiled is None
+    assert "the decode step stays eager: torch.compile failed: no C++ compiler found" in caplog.text
+    assert_same_steps(model, [[5, 6, 7], [8, 9]], forward=forward)
+
+
+def test_a_compiling_worker_serves_the_same_tokens(redis_url: str, tiny_model_path: Path,
+                                                   tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The served default (COMPILE_DECODE on): a worker compiles its step at start and serves concurrent
+    requests with the same greedy tokens as an eager worker."""
+    prompts = ["The river runs", "A small boat", "Under the bridge the water"]
+    generated: dict[str, list[list[int]]] = {}
+    for setting in ("true", "false"):
+        log_dir = tmp_path_factory.mktemp(f"compile-{setting}")
+        stack = start_stack(redis_url, tiny_model_path, log_dir, {"COMPILE_DECODE": setting})
+        try:
+            def generate(prompt: str) -> list[int]:
+                body = {"inputs": prompt, "parameters": {"max_new_tokens": 24, "details": True, "do_sample": False}}
+                answer = httpx.post(f"{stack.base_url}/generate", json=body, timeout=120)
+                assert answer.status_code == 200, answer.text
+                return [token["id"] for token in answer.json()["details"]["tokens"]]
+
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                generated[setting] = list(pool.map(generate, prompts))
+        finally:
+            stop_stack(stack)
+        compiled = "compiled the decode step in" in (log_dir / "worker0.log").read_text()
+        assert compiled == (setting == "true")
+    assert generated["true"] == generated["false"]
+    assert all(generated["true"])

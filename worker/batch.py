@@ -46,10 +46,11 @@ class ForwardArgs:
     decode_step: LlamaDecodeStep | None = None  # the model's decode step without its forward, where it applies
 
     @classmethod
-    def of(cls, model: PreTrainedModel) -> "ForwardArgs":
+    def of(cls, model: PreTrainedModel, compile_decode: bool = False) -> "ForwardArgs":
+        """``compile_decode``: compile the decode step where there is one (:meth:`LlamaDecodeStep.compile`)."""
         declared = inspect.signature(model.forward).parameters
         return cls(accepts_4d_mask(model), "position_ids" in declared, "logits_to_keep" in declared,
-                   LlamaDecodeStep.of(model))
+                   LlamaDecodeStep.of(model, compile_decode))
 
     def call(
         self, model: PreTrainedModel | PeftModel, input_ids: torch.Tensor, mask: torch.Tensor,

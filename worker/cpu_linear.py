@@ -16,6 +16,10 @@ twice their memory on CPU.
 Layers that a model calls one after the other on the same input (:data:`SIBLINGS`: attention's query, key and
 value projections, a gated MLP's gate and up projections) share one packed weight, their weights stacked, and
 one oneDNN product serves them all, as vLLM's merged QKV and gate-up layers do: fewer, wider products.
+
+Every product on a packed weight goes through one operator of this module, ``torch.ops.ferry.packed_linear``:
+eagerly it is oneDNN's inner product; under ``torch.compile`` it stays one opaque call, because Inductor lowers
+``mkldnn._linear_pointwise`` only on weights it packed itself (the compiled decode step, worker/llama_decode.py).
 """
 
 from __future__ import annotations
@@ -38,6 +42,27 @@ oneDNN ahead from 2 rows on; bench/RESULTS.md)."""
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Names of linear layers of one module that the model calls on the same input, one after the other (the
 Llama family's names: Llama, Mistral, Qwen, Gemma and more)."""
+
+
+_OPS = torch.library.Library("ferry", "DEF")  # the registration of packed_linear lives as long as this module
+_OPS.define("packed_linear(Tensor input, Tensor packed_weight, Tensor? bias) -> Tensor")
+
+
+def _packed_linear(input: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(input, packed_weight, bias, "none", [], "")
+
+
+for _key in ("CPU", "MkldnnCPU"):  # the input's key, or the packed weight's where it is the only tensor that counts
+    _OPS.impl("packed_linear", _packed_linear, _key)
+
+
+@torch.library.register_fake("ferry::packed_linear", lib=_OPS)
+def _packed_linear_shape(input: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return input.new_empty((*input.shape[:-1], packed_weight.shape[0]))
+
+
+packed_linear = torch.ops.ferry.packed_linear
+"""``packed_linear(input, packed_weight, bias)``: ``F.linear`` on a weight packed by :func:`_pack`."""
 
 
 class PackedLinear(torch.nn.Linear):
@@ -72,8 +97,7 @@ class PackedLinear(torch.nn.Linear):
             return self.dense(input)
         if self.group is not None:
             return self.group.output(self, input)
-        bias = None if self.bias is None else self.bias.detach()
-        return torch.ops.mkldnn._linear_pointwise(input, self.packed_weight, bias, "none", [], "")
+        return packed_linear(input, self.packed_weight, None if self.bias is None else self.bias.detach())
 
     def dense(self, input: torch.Tensor) -> torch.Tensor:
         """The output through ``F.linear`` on the dense weight (:data:`DENSE_ROWS`)."""
@@ -109,7 +133,7 @@ class SiblingGroup:
         one per member through its dense weight for a single row, :data:`DENSE_ROWS`)."""
         if _dense(input, self.members[0].in_features):
             return torch.cat([member.dense(input) for member in self.members], dim=-1)
-        return torch.ops.mkldnn._linear_pointwise(input, self.packed_weight, self.bias, "none", [], "")
+        return packed_linear(input, self.packed_weight, self.bias)
 
     def output(self, member: PackedLinear, input: torch.Tensor) -> torch.Tensor:
         if input is not self._input or id(member) not in self._outputs:

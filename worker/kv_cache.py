@@ -34,31 +34,45 @@ class GrowingLayer(DynamicLayer):
         """Append ``key_states``/``value_states`` [batch, heads, new, dim]; returns all keys and values so far."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        keys, values, length = self.reserve(key_states, value_states)
+        end = length + key_states.shape[-2]
+        keys[..., length:end, :].copy_(key_states)
+        values[..., length:end, :].copy_(value_states)
+        return self.commit(end)
+
+    def reserve(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The key and value buffers, with room after the cached positions for states shaped like
+        ``key_states``/``value_states``, and the number of cached positions; write the new states after them,
+        then :meth:`commit`. A buffer always keeps one position unused, so that ``keys`` never spans a whole
+        buffer: its strides are the same at every length (a compiled decode step is specialised on them)."""
         length = self.get_seq_length()
         end = length + key_states.shape[-2]
         if not self._appends_in_place(key_states, end):
-            rows_heads, capacity = key_states.shape[:-2], end + SPARE_POSITIONS
+            rows_heads, capacity = key_states.shape[:-2], end + SPARE_POSITIONS + 1  # and the unused one
             keys = key_states.new_empty((*rows_heads, capacity, key_states.shape[-1]))
             values = value_states.new_empty((*rows_heads, capacity, value_states.shape[-1]))  # its own head dim
             if length:
                 keys[..., :length, :].copy_(self.keys)
                 values[..., :length, :].copy_(self.values)
             self._buffers = (keys, values)
-        keys, values = self._buffers
-        keys[..., length:end, :].copy_(key_states)
-        values[..., length:end, :].copy_(value_states)
+        keys, values = self._buffers  # type: ignore[misc]
+        return keys, values, length
+
+    def commit(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Make the first ``end`` positions of the buffers the cached keys and values; returns them."""
+        keys, values = self._buffers  # type: ignore[misc]
         self.keys, self.values = keys[..., :end, :], values[..., :end, :]
         return self.keys, self.values
 
     def _appends_in_place(self, key_states: torch.Tensor, end: int) -> bool:
-        """Whether the buffer can take positions up to ``end``: it exists, has room, has the new states'
-        rows and heads, and ``keys`` is still the view this layer made (``DynamicLayer``'s own methods, such
-        as ``batch_select_indices``, replace it with a tensor of their own)."""
+        """Whether the buffer can take positions up to ``end`` and keep one spare: it exists, has room, has
+        the new states' rows and heads, and ``keys`` is still the view this layer made (``DynamicLayer``'s
+        own methods, such as ``batch_select_indices``, replace it with a tensor of their own)."""
         if self._buffers is None:
             return False
         buffer = self._buffers[0]
         return (
-            end <= buffer.shape[-2]
+            end < buffer.shape[-2]
             and buffer.shape[:-2] == key_states.shape[:-2]
             and buffer.dtype == key_states.dtype
             and self.keys.data_ptr() == buffer.data_ptr()
@@ -70,3 +84,24 @@ class GrowingCache(DynamicCache):
 
     def __init__(self) -> None:
         Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
+
+    def reserve(self, layers: int, key_states: torch.Tensor,
+                value_states: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+        """:meth:`GrowingLayer.reserve` of each of ``layers`` layers (made and initialised as ``update`` makes
+        them) and the number of cached positions, for a pass that writes the buffers itself, then commits."""
+        buffers = []
+        length = self.get_seq_length()
+        for index in range(layers):
+            if index == len(self.layers):
+                self.layers.append(GrowingLayer())
+            layer = self.layers[index]
+            if not layer.is_initialized:
+                layer.lazy_initialization(key_states, value_states)
+            keys, values, _ = layer.reserve(key_states, value_states)
+            buffers.append((keys, values))
+        return buffers, length
+
+    def commit(self, end: int) -> None:
+        """:meth:`GrowingLayer.commit` of every layer."""
+        for layer in self.layers:
+            layer.commit(end)  # type: ignore[attr-defined]
