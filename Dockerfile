@@ -8,7 +8,7 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG EXTRA_PACKAGES=""
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 WORKDIR /app
-# A C++ compiler for torch.compile: Inductor builds the CPU workers' compiled decode step with it (COMPILE_DECODE);
+# A C++ compiler for torch.compile: Inductor builds the CPU workers' compiled decode step with it (COMPILE_MODEL);
 # on a base image without apt-get the step stays eager.
 RUN if command -v apt-get > /dev/null; then \
         apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*; fi

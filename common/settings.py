@@ -441,10 +441,10 @@ class Settings(BaseSettings):
         "left to the API pod and Redis; nothing when OMP_NUM_THREADS is set), nobind (torch's default) or cores "
         "such as 0-3,6", **_spec("BackendConfig", "cpuThreadsBind", "CPU_THREADS_BIND"),
     )
-    compile_decode: bool = Field(
-        True, description="compile the built-in engine's decode step of Llama, Mistral and Qwen2 models on CPU with "
-        "torch.compile (Inductor, which needs a C++ compiler; without one the step stays eager) when the worker "
-        "starts: faster steps, a longer first start", **_spec("BackendConfig", "compileDecode", "COMPILE_DECODE"),
+    compile_model: bool = Field(
+        True, description="compile the built-in engine's decode steps and prompt passes of Llama, Mistral and Qwen2 "
+        "models on CPU with torch.compile (Inductor, which needs a C++ compiler; without one they stay eager) when "
+        "the worker starts: faster passes, a longer start", **_spec("BackendConfig", "compileModel", "COMPILE_MODEL"),
     )
     worker_pool: str = Field(
         "cpu", pattern=r"^[A-Za-z0-9_-]+$", **_spec("BackendConfig", "workerPool", "WORKER_POOL")

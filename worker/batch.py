@@ -26,7 +26,7 @@ from transformers import DynamicCache, PreTrainedModel
 from common.protocol import SamplingParams
 from worker.attention import accepts_4d_mask
 from worker.kv_cache import GrowingCache
-from worker.llama_decode import LlamaDecodeStep
+from worker.llama_step import LlamaStep
 from worker.sampling import BatchSampler
 
 BASE_ADAPTER = "__base__"
@@ -43,14 +43,19 @@ class ForwardArgs:
     mask_4d: bool
     position_ids: bool
     logits_to_keep: bool
-    decode_step: LlamaDecodeStep | None = None  # the model's decode step without its forward, where it applies
+    step: LlamaStep | None = None  # the model's passes without its forward, where they apply
 
     @classmethod
-    def of(cls, model: PreTrainedModel, compile_decode: bool = False) -> "ForwardArgs":
-        """``compile_decode``: compile the decode step where there is one (:meth:`LlamaDecodeStep.compile`)."""
+    def of(cls, model: PreTrainedModel, compile_model: bool = False) -> "ForwardArgs":
+        """``compile_model``: compile the model's passes where they run :class:`LlamaStep` (:meth:`LlamaStep.compile`)."""
         declared = inspect.signature(model.forward).parameters
         return cls(accepts_4d_mask(model), "position_ids" in declared, "logits_to_keep" in declared,
-                   LlamaDecodeStep.of(model, compile_decode))
+                   LlamaStep.of(model, compile_model))
+
+    def takes_step(self, model: PreTrainedModel | PeftModel) -> bool:
+        """Whether passes of ``model`` run :attr:`step`: there is one, and the model is not wrapped by peft (an
+        adapter's layers are in the wrapper's forward only)."""
+        return self.step is not None and model is self.step.model
 
     def call(
         self, model: PreTrainedModel | PeftModel, input_ids: torch.Tensor, mask: torch.Tensor,
@@ -117,8 +122,11 @@ class DecodeBatch:
         positions = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
         cache = GrowingCache()
         mask = _causal_mask(attention_mask) if forward.mask_4d else attention_mask
-        logits = forward.call(model, input_ids, mask, positions, cache, 0 if any(prompt_details) else 1,
-                              extra_inputs, _adapter_names(model, adapters))
+        if forward.takes_step(model) and not any(prompt_details) and not extra_inputs:
+            logits = forward.step(input_ids, mask, positions, cache)
+        else:
+            logits = forward.call(model, input_ids, mask, positions, cache, 0 if any(prompt_details) else 1,
+                                  extra_inputs, _adapter_names(model, adapters))
         sampler = BatchSampler.create(params, prompts, logits.shape[-1], model.device)
         ids, logprobs = sampler(logits[:, -1, :])
         prompt_logprobs = [
@@ -136,8 +144,8 @@ class DecodeBatch:
         """Feed every row's last token, append it to the cache and choose the next one."""
         attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones((self.size, 1))], dim=1)
         mask = attention_mask[:, None, None, :] if forward.mask_4d else attention_mask
-        if forward.decode_step is not None and model is forward.decode_step.model:  # not wrapped by peft
-            logits = forward.decode_step(self.next_ids, mask, self.positions, self.cache)
+        if forward.takes_step(model):
+            logits = forward.step(self.next_ids, mask, self.positions, self.cache)
         else:
             logits = forward.call(model, self.next_ids, mask, self.positions, self.cache,
                                   adapter_names=_adapter_names(model, self.adapters))

@@ -75,7 +75,7 @@ class TransformersEngine(Engine):
         self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         text_config = model.config.get_text_config(decoder=True)
         self._vocab_size = text_config.vocab_size
-        self._forward = ForwardArgs.of(model, settings.compile_decode)
+        self._forward = ForwardArgs.of(model, settings.compile_model)
         limits = [settings.max_seq_len, settings.max_batch_total_tokens]
         if getattr(text_config, "max_position_embeddings", None):
             limits.append(text_config.max_position_embeddings)

@@ -1,26 +1,28 @@
-"""A decode step of a Llama-family model with fewer small ops than its ``transformers`` forward, and compiled.
+"""Decode steps and prompt passes of a Llama-family model with fewer small ops than its forward, compiled.
 
 On CPU a decode step of a small batch is its matrix products plus a few hundred small ops between them, and
 those cost as much again when run one by one after the products have streamed the weights through the caches
-(bench/RESULTS.md); vLLM compiles them into a few fused kernels. :class:`LlamaDecodeStep` runs the step from
-the model's own modules (embeddings, RMSNorms, rotary embedding, LM head), its grouped oneDNN products
+(bench/RESULTS.md); vLLM compiles them into a few fused kernels. :class:`LlamaStep` runs a pass from the model's
+own modules (embeddings, RMSNorms, rotary embedding, LM head), its grouped oneDNN products
 (:class:`worker.cpu_linear.SiblingGroup`) and its attention function, but takes the query and key heads of the
 stacked q/k/v product as one tensor and rotates them together (``roll`` and a sign-folded sine in place of
 ``rotate_half``'s slices and ``cat``), and the gated MLP's halves as views of one product: the same operations
 on the same values in the same order, so its logits are bit-identical to the model's forward
-(tests/test_llama_decode.py), in about 8 % less time per step at 8 rows and 4 % at 32 on the bench model (the
-same at 1 row; bench/RESULTS.md).
+(tests/test_llama_step.py), in about 8 % less time per decode step at 8 rows and 4 % at 32 on the bench model
+(the same at 1 row; bench/RESULTS.md). It writes new keys and values into the cache's buffers itself
+(:meth:`worker.kv_cache.GrowingCache.reserve`) and returns the last position's logits only.
 
-With ``compile`` (the worker's ``compileDecode`` setting, on by default, as vLLM compiles its CPU models), the
-step is also compiled by ``torch.compile`` with Inductor, once, at load: the small ops become a few generated C++
-kernels and the products stay oneDNN calls (``torch.ops.ferry.packed_linear``). Its logits match the eager
-step's within float rounding (Inductor reorders the RMSNorm's sums). Batches of one row (their products take
-MKL's dense path) and caches of under two positions run the eager step, so that one graph, dynamic in rows and
-length, serves every other step; where Inductor cannot compile (no C++ compiler, say), the step stays eager,
-with a warning.
+With ``compile`` (the worker's ``compileModel`` setting, on by default, as vLLM compiles its CPU models), the
+passes are also compiled by ``torch.compile`` with Inductor, at load: the small ops become a few generated C++
+kernels and the products stay oneDNN calls (``torch.ops.ferry.packed_linear``). The logits match the eager
+ones within float rounding (Inductor reorders the RMSNorm's sums). Three graphs, each dynamic in its sizes,
+serve every pass (:data:`COMPILED_SHAPES`); a decode step of one row (its products take MKL's dense path), a
+cache of under two positions or a one-token prompt runs eagerly. Where Inductor cannot compile (no C++ compiler,
+say) the passes stay eager, with a warning.
 
 It only takes the families whose decoder layer it reproduces (:data:`FAMILIES`), prepared as :func:`applies`
-checks; every other model, a model wrapped by peft for LoRA, and prompt passes run the model's forward.
+checks; every other model, a model wrapped by peft for LoRA, and prompt passes that need every position's
+logits or media features run the model's forward.
 """
 
 from __future__ import annotations
@@ -51,13 +53,15 @@ INDUCTOR_OPTIONS: dict[str, Any] = {
 """vLLM's Inductor options on CPU: no size or NaN checks at every call, and kernels that take torch's thread count
 at run time (the worker binds its threads after load, worker/cpu_threads.py) rather than the one at compile time."""
 
-COMPILED_MIN_LENGTH = 2
-"""Cached positions from which the compiled step runs: below, torch.compile would specialise a graph on a
-length of 0 or 1."""
+COMPILED_SHAPES = ((2, 1, 2), (1, 2, 0), (2, 2, 0))
+"""(rows, new positions, cached positions) of the pass that builds each graph at load: decode steps, a one-row
+prompt, a prompt batch. torch.compile gives sizes 0 and 1 graphs of their own and makes every other size a
+symbol, so these three serve any decode step of two rows or more on a cache of two positions or more, and any
+prompt pass of two tokens or more on an empty cache (:meth:`LlamaStep.compiles`)."""
 
 
 def applies(model: PreTrainedModel) -> bool:
-    """Whether :class:`LlamaDecodeStep` reproduces this model's decode step: a causal LM of :data:`FAMILIES` with
+    """Whether :class:`LlamaStep` reproduces this model's passes: a causal LM of :data:`FAMILIES` with
     the padded SDPA attention (full attention, :func:`worker.attention.use_padded_attention`), a SiLU MLP and
     grouped packed products in every layer (:func:`worker.cpu_linear.use_packed_linear` on CPU)."""
     config = model.config
@@ -75,11 +79,12 @@ def applies(model: PreTrainedModel) -> bool:
     )
 
 
-class LlamaDecodeStep:
-    """The logits of one decode step of a model :func:`applies` takes; see the module docstring."""
+class LlamaStep:
+    """The last position's logits of a decode step or prompt pass of a model :func:`applies` takes; see the
+    module docstring."""
 
     @classmethod
-    def of(cls, model: PreTrainedModel, compile: bool = False) -> "LlamaDecodeStep | None":
+    def of(cls, model: PreTrainedModel, compile: bool = False) -> "LlamaStep | None":
         """The step for ``model``, or None where it does not apply (:func:`applies`); ``compile``: compiled
         (:meth:`compile`)."""
         if not applies(model):
@@ -98,52 +103,69 @@ class LlamaDecodeStep:
         self.compiled: Any = None  # the compiled _layers, once compile() succeeded
 
     def compile(self) -> bool:
-        """Compile the step and run it once on a small batch, so that requests do not wait for Inductor;
-        returns whether it compiled (the step stays eager where it did not)."""
+        """Compile the passes and build their graphs (:data:`COMPILED_SHAPES`) on dummy inputs, so that requests
+        do not wait for Inductor; returns whether it compiled (the passes stay eager where it did not)."""
         compiled = torch.compile(self._layers, dynamic=True, fullgraph=True, options=INDUCTOR_OPTIONS)
         started = time.monotonic()
-        rows, length = DENSE_ROWS + 1, COMPILED_MIN_LENGTH
-        device, dtype = self.model.device, self.model.dtype
-        shape = (rows, self.kv_heads, length + 2, self.head_dim)
+        device = self.model.device
         try:
             with torch.inference_mode(), shape_config.patch(use_duck_shape=False):  # tensors as the engine's
-                buffers = [(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
-                           for _ in self.model.model.layers]
-                compiled(torch.zeros((rows, 1), dtype=torch.long, device=device),
-                         torch.ones((rows, 1, 1, length + 1), dtype=torch.bool, device=device),
-                         torch.full((rows, 1), length, device=device), length, buffers)
+                for rows, new, length in COMPILED_SHAPES:
+                    cache = GrowingCache()
+                    if length:
+                        self._reserve(cache, rows, length)
+                        cache.commit(length)
+                    buffers, _ = self._reserve(cache, rows, new)
+                    compiled(torch.zeros((rows, new), dtype=torch.long, device=device),
+                             torch.ones((rows, 1, new, length + new), dtype=torch.bool, device=device),
+                             torch.arange(length, length + new, device=device).repeat(rows, 1), length, buffers)
         except Exception as exc:  # Inductor's failures have no common type (a missing compiler, an unsupported op)
-            log.warning("the decode step stays eager: torch.compile failed: %s", str(exc).strip().splitlines()[0])
+            log.warning("the model's passes stay eager: torch.compile failed: %s",
+                        str(exc).strip().splitlines()[0])
             return False
-        log.info("compiled the decode step in %.1f s", time.monotonic() - started)
+        log.info("compiled the model's decode steps and prompt passes in %.1f s", time.monotonic() - started)
         self.compiled = compiled
         return True
 
+    @staticmethod
+    def compiles(rows: int, new: int, length: int) -> bool:
+        """Whether a pass of ``rows`` rows of ``new`` positions on ``length`` cached ones takes a graph of
+        :data:`COMPILED_SHAPES`."""
+        if new == 1:
+            return rows > DENSE_ROWS and length >= 2
+        return length == 0
+
     def __call__(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                  cache: GrowingCache) -> torch.Tensor:
-        """``input_ids`` and ``positions`` [batch, 1], ``mask`` boolean [batch, 1, 1, keys] over the cache and
-        the new token; appends each layer's key and value to ``cache``; returns logits [batch, 1, vocab]."""
-        layers = cache.layers
-        buffers = [layer.reserve(layer.keys[..., :1, :], layer.values[..., :1, :])[:2] for layer in layers]
-        length = cache.get_seq_length()
-        if self.compiled is not None and input_ids.shape[0] > DENSE_ROWS and length >= COMPILED_MIN_LENGTH:
+        """``input_ids`` and ``positions`` [batch, new], ``mask`` boolean [batch, 1, new, keys] over the cache
+        and the new positions; appends each layer's keys and values to ``cache``; returns the last position's
+        logits [batch, 1, vocab]."""
+        rows, new = input_ids.shape
+        buffers, length = self._reserve(cache, rows, new)
+        if self.compiled is not None and self.compiles(rows, new, length):
             with shape_config.patch(use_duck_shape=False):  # sizes that happen to be equal stay distinct symbols
                 logits = self.compiled(input_ids, mask, positions, length, buffers)
         else:
             logits = self._layers(input_ids, mask, positions, length, buffers)
-        for layer in layers:
-            layer.commit(length + 1)
+        cache.commit(length + new)
         return logits
+
+    def _reserve(self, cache: GrowingCache, rows: int,
+                 new: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+        shape = torch.empty((rows, self.kv_heads, new, self.head_dim), dtype=self.model.dtype,
+                            device=self.model.device)
+        return cache.reserve(len(self.model.model.layers), shape, shape)
 
     def _layers(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, length: int,
                 buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """The step on the cache's key and value buffers (:meth:`worker.kv_cache.GrowingLayer.reserve`), which
-        hold ``length`` positions: writes each layer's new key and value at ``length``."""
+        """The pass on the cache's key and value buffers, which hold ``length`` positions: writes each layer's
+        new keys and values after them."""
         inner = self.model.model
-        batch = input_ids.shape[0]
+        batch, new = input_ids.shape
+        end = length + new
         heads, kv_heads, dim, half = self.heads, self.kv_heads, self.head_dim, self.head_dim // 2
         hidden = inner.embed_tokens(input_ids)
-        cos, sin = inner.rotary_emb(hidden, position_ids=positions)  # [batch, 1, dim]
+        cos, sin = inner.rotary_emb(hidden, position_ids=positions)  # [batch, new, dim]
         cos = cos[:, :, None, :]
         # rotate_half(x) * sin == roll(x, half) * sin with the first half of sin negated
         sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, :, None, :]
@@ -151,15 +173,14 @@ class LlamaDecodeStep:
         for layer, (keys, values) in zip(inner.layers, buffers):
             attention, mlp = layer.self_attn, layer.mlp
             qkv = attention.q_proj.group.stacked(layer.input_layernorm(hidden))
-            query_key = qkv[..., :rotated].view(batch, 1, heads + kv_heads, dim)
+            query_key = qkv[..., :rotated].view(batch, new, heads + kv_heads, dim)
             query_key = query_key * cos + torch.roll(query_key, half, -1) * sin
-            keys[:, :, length:length + 1].copy_(query_key[:, :, heads:].transpose(1, 2))
-            values[:, :, length:length + 1].copy_(qkv[..., rotated:].view(batch, 1, kv_heads, dim).transpose(1, 2))
+            keys[:, :, length:end].copy_(query_key[:, :, heads:].transpose(1, 2))
+            values[:, :, length:end].copy_(qkv[..., rotated:].view(batch, new, kv_heads, dim).transpose(1, 2))
             output, _ = padded_sdpa_attention(attention, query_key[:, :, :heads].transpose(1, 2),
-                                              keys[:, :, :length + 1], values[:, :, :length + 1], mask,
-                                              scaling=attention.scaling)
-            hidden = hidden + attention.o_proj(output.reshape(batch, 1, heads * dim))
+                                              keys[:, :, :end], values[:, :, :end], mask, scaling=attention.scaling)
+            hidden = hidden + attention.o_proj(output.reshape(batch, new, heads * dim))
             gate_up = mlp.gate_proj.group.stacked(layer.post_attention_layernorm(hidden))
             gate, up = gate_up.split(mlp.intermediate_size, dim=-1)
             hidden = hidden + mlp.down_proj(F.silu(gate) * up)
-        return self.model.lm_head(inner.norm(hidden))
+        return self.model.lm_head(inner.norm(hidden[:, -1:]))
