@@ -8,8 +8,8 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG EXTRA_PACKAGES=""
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 WORKDIR /app
-# A C++ compiler for torch.compile: Inductor builds the CPU workers' compiled decode step with it (COMPILE_MODEL);
-# on a base image without apt-get the step stays eager.
+# A C++ compiler for torch.compile: Inductor builds the CPU workers' compiled passes with it (COMPILE_MODEL); on a
+# base image without apt-get they stay eager.
 RUN if command -v apt-get > /dev/null; then \
         apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*; fi
 RUN pip install torch==2.13.0 --index-url ${TORCH_INDEX_URL}

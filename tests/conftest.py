@@ -25,8 +25,8 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """The tests' workers and engines decode eagerly, as vLLM's CPU tests run without torch.compile: compiling
-    takes 10 to 40 s per worker start. tests/test_llama_step.py tests the compiled step, in-process and in a
+    """The tests' workers and engines run eagerly, as vLLM's CPU tests run without torch.compile: compiling
+    takes 30 s or more per worker start. tests/test_llama_step.py tests the compiled passes, in-process and in a
     worker. (A hook, not an import-time setting: the benches import this module's helpers.)"""
     os.environ.setdefault("COMPILE_MODEL", "false")
 

@@ -47,7 +47,7 @@ class ForwardArgs:
 
     @classmethod
     def of(cls, model: PreTrainedModel, compile_model: bool = False) -> "ForwardArgs":
-        """``compile_model``: compile the model's passes where they run :class:`LlamaStep` (:meth:`LlamaStep.compile`)."""
+        """``compile_model``: compile :class:`LlamaStep` where the model has one (:meth:`LlamaStep.compile`)."""
         declared = inspect.signature(model.forward).parameters
         return cls(accepts_4d_mask(model), "position_ids" in declared, "logits_to_keep" in declared,
                    LlamaStep.of(model, compile_model))

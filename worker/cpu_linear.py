@@ -19,7 +19,7 @@ one oneDNN product serves them all, as vLLM's merged QKV and gate-up layers do: 
 
 Every product on a packed weight goes through one operator of this module, ``torch.ops.ferry.packed_linear``:
 eagerly it is oneDNN's inner product; under ``torch.compile`` it stays one opaque call, because Inductor lowers
-``mkldnn._linear_pointwise`` only on weights it packed itself (the compiled decode step, worker/llama_step.py).
+``mkldnn._linear_pointwise`` only on weights it packed itself (the compiled passes of worker/llama_step.py).
 """
 
 from __future__ import annotations
