@@ -32,8 +32,6 @@ class GrowingLayer(DynamicLayer):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``key_states``/``value_states`` [batch, heads, new, dim]; returns all keys and values so far."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
         keys, values, length = self.reserve(key_states, value_states)
         end = length + key_states.shape[-2]
         keys[..., length:end, :].copy_(key_states)
@@ -44,7 +42,10 @@ class GrowingLayer(DynamicLayer):
         """The key and value buffers, with room after the cached positions for states shaped like
         ``key_states``/``value_states``, and the number of cached positions; write the new states after them,
         then :meth:`commit`. A buffer always keeps one position unused, so that ``keys`` never spans a whole
-        buffer: its strides are the same at every length (a compiled decode step is specialised on them)."""
+        buffer: its strides are the same at every length (a compiled decode step is specialised on them). An
+        uninitialised layer is initialised first, as ``update`` does."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
         length = self.get_seq_length()
         end = length + key_states.shape[-2]
         if not self._appends_in_place(key_states, end):
@@ -87,17 +88,14 @@ class GrowingCache(DynamicCache):
 
     def reserve(self, layers: int, key_states: torch.Tensor,
                 value_states: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
-        """:meth:`GrowingLayer.reserve` of each of ``layers`` layers (made and initialised as ``update`` makes
-        them) and the number of cached positions, for a pass that writes the buffers itself, then commits."""
+        """:meth:`GrowingLayer.reserve` of each of ``layers`` layers (made as ``update`` makes them) and the
+        number of cached positions, for a pass that writes the buffers itself, then commits."""
         buffers = []
         length = self.get_seq_length()
         for index in range(layers):
             if index == len(self.layers):
                 self.layers.append(GrowingLayer())
-            layer = self.layers[index]
-            if not layer.is_initialized:
-                layer.lazy_initialization(key_states, value_states)
-            keys, values, _ = layer.reserve(key_states, value_states)
+            keys, values, _ = self.layers[index].reserve(key_states, value_states)
             buffers.append((keys, values))
         return buffers, length
 
