@@ -82,7 +82,11 @@ def create_app(settings: Settings, redis: AsyncRedis | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        client = redis if redis is not None else async_client(settings, REDIS_POOL_SIZE, REDIS_POOL_WAIT_SECONDS)
+        # A cluster's pool cannot make a command wait: its bound is past what the pod's maxLinkNum requests hold at
+        # once (each at most one connection while queued or relayed, and one to close), so a burst never fails.
+        cluster_connections = 2 * settings.max_link_num + REDIS_POOL_SIZE
+        client = redis if redis is not None else async_client(settings, REDIS_POOL_SIZE, REDIS_POOL_WAIT_SECONDS,
+                                                              cluster_connections=cluster_connections)
         api_id = uuid.uuid4().hex[:12]
         relay = EventRelay(client, api_id, sharded=settings.redis_cluster)
         await relay.start()

@@ -24,7 +24,7 @@ from api.health import live_workers
 from api.media import MediaData
 from api.relay import RelayUnavailable
 from common import keys
-from common.connection import REDIS_ERRORS, publish
+from common.connection import REDIS_ERRORS, publish, publish_command
 from common.logs import bind_request_id
 from common.protocol import (
     ADAPTER_NAME_PATTERN,
@@ -299,17 +299,57 @@ async def submit(ctx: ServerContext, request: GenerationRequest) -> Submission:
     return submission
 
 
-def _refusal(ctx: ServerContext, request: GenerationRequest, queued: int,
-             adapter_path: list[bytes | None]) -> PipelineError | None:
-    """Why the model cannot take the request now: a full queue, or a LoRA adapter it does not have."""
+# Admission in one step of Redis, so that requests arriving together on any number of pods cannot all pass the
+# queue bound: the in-flight id is taken, the depth read and the job added without any other command between
+# (every key is the model's, one slot of a cluster). KEYS: the in-flight key, the job's stream, then every job
+# stream; ARGV: the job id, the in-flight key's TTL, maxQueueSize, the entry's field and the job's JSON, the queued
+# notice's publish command, channel and message. Answers {"ok"|"duplicate"|"full", depth}.
+ADMIT_SCRIPT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return {'duplicate', 0} end
+local depth = 0
+for i = 3, #KEYS do depth = depth + redis.call('XLEN', KEYS[i]) end
+if depth >= tonumber(ARGV[3]) then return {'full', depth} end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+redis.call('XADD', KEYS[2], '*', ARGV[4], ARGV[5])
+redis.call(ARGV[6], ARGV[7], ARGV[8])
+return {'ok', depth}
+"""
+
+
+async def _adapter(ctx: ServerContext, name: str) -> AdapterRef:
+    """The model's LoRA adapter ``name`` with its folder; a ``validation`` error when the model does not have it."""
     model = ctx.model.model_id
-    if queued >= ctx.settings.max_queue_size:
-        return PipelineError(f"the queue of model {model} is full ({queued} requests, maxQueueSize "
-                             f"{ctx.settings.max_queue_size}); retry later", "overloaded")
-    if adapter_path and adapter_path[0] is None:
-        return PipelineError(f"the LoRA adapter `{request.adapter}` is not loaded for model `{model}` (configure it "
-                             "in loraModules or load it with POST /v1/load_lora_adapter)", "validation")
-    return None
+    path = await ctx.redis.hget(keys.adapters_key(model), name)
+    if path is None:
+        raise PipelineError(f"the LoRA adapter `{name}` is not loaded for model `{model}` (configure it in "
+                            "loraModules or load it with POST /v1/load_lora_adapter)", "validation")
+    return AdapterRef(name=name, path=path.decode())
+
+
+async def _admit(ctx: ServerContext, job: Job, request: GenerationRequest) -> None:
+    """Queue the job with :data:`ADMIT_SCRIPT`, its media written first in the same round trip (a worker may
+    take the job at once) and deleted when it is refused: ``validation`` for a request id in flight,
+    ``overloaded`` at maxQueueSize jobs queued or running."""
+    settings, model = ctx.settings, job.model
+    ttl = int(settings.e2e_timeout) + 60
+    pipe = ctx.redis.pipeline(transaction=False)
+    for ref, item in zip(job.media, request.media):
+        pipe.set(ref.key, item.data, ex=ttl)
+    notice = publish_command(settings.redis_cluster, keys.control_channel(model),
+                             Control(request_id=job.request_id, action="queued").model_dump_json())
+    streams = keys.job_streams(model)
+    script_keys = [keys.inflight_key(model, request.request_id), keys.job_stream(model, job.priority), *streams]
+    pipe.eval(ADMIT_SCRIPT, len(script_keys), *script_keys, job.request_id, ttl, settings.max_queue_size,
+              keys.JOB_FIELD, job.model_dump_json(), *notice)
+    verdict, depth = (await pipe.execute())[-1]
+    if verdict == b"ok":
+        return
+    if job.media:
+        await ctx.redis.delete(*(ref.key for ref in job.media))
+    if verdict == b"duplicate":
+        raise PipelineError(f"a request with id '{request.request_id}' is already in flight", "validation")
+    raise PipelineError(f"the queue of model {model} is full ({depth} requests, maxQueueSize "
+                        f"{settings.max_queue_size}); retry later", "overloaded")
 
 
 async def _queue(ctx: ServerContext, request: GenerationRequest) -> Submission:
@@ -345,7 +385,6 @@ async def _queue(ctx: ServerContext, request: GenerationRequest) -> Submission:
         enqueued_at=now,
         deadline=now + settings.e2e_timeout,
     )
-    streams, inflight = keys.job_streams(job.model), keys.inflight_key(job.model, request.request_id)
     # Registering takes one of the pod's maxLinkNum places with no await since the check above, so
     # concurrent requests cannot all pass the check; every failure below gives the place back.
     try:
@@ -353,29 +392,9 @@ async def _queue(ctx: ServerContext, request: GenerationRequest) -> Submission:
     except RelayUnavailable as exc:
         raise PipelineError(f"the events relay is unavailable: {exc}", "unavailable") from None
     try:
-        pipe = ctx.redis.pipeline(transaction=False)
-        pipe.set(inflight, job_id, nx=True, ex=int(settings.e2e_timeout) + 60)
-        for stream in streams:  # the jobs queued or running: every priority's
-            pipe.xlen(stream)
         if request.adapter is not None:
-            pipe.hget(keys.adapters_key(job.model), request.adapter)
-        fresh, *replies = await pipe.execute()
-        queued, adapter_path = sum(replies[:len(streams)]), replies[len(streams):]
-        if not fresh:
-            raise PipelineError(f"a request with id '{request.request_id}' is already in flight", "validation")
-        refusal = _refusal(ctx, request, queued, adapter_path)
-        if refusal is not None:
-            await ctx.redis.delete(inflight)
-            raise refusal
-        if request.adapter is not None:
-            job.adapter = AdapterRef(name=request.adapter, path=adapter_path[0].decode())
-        pipe = ctx.redis.pipeline(transaction=False)
-        for ref, item in zip(job.media, request.media):  # the bytes first: a worker may take the job at once
-            pipe.set(ref.key, item.data, ex=int(settings.e2e_timeout) + 60)
-        pipe.xadd(keys.job_stream(job.model, job.priority), {keys.JOB_FIELD: job.model_dump_json()})
-        publish(pipe, settings.redis_cluster, keys.control_channel(job.model),
-                Control(request_id=job_id, action="queued").model_dump_json())
-        await pipe.execute()
+            job.adapter = await _adapter(ctx, request.adapter)
+        await _admit(ctx, job, request)
     except BaseException as exc:
         ctx.relay.release(job_id)
         if isinstance(exc, REDIS_ERRORS):

@@ -32,11 +32,14 @@ def sync_client(settings: Settings, **options: Any) -> SyncRedis:
 
 
 def async_client(settings: Settings, max_connections: int | None = None, pool_timeout: float | None = None,
-                 **options: Any) -> AsyncRedis:
+                 cluster_connections: int | None = None, **options: Any) -> AsyncRedis:
     """An asyncio client (API pods, ferry-status). ``max_connections`` bounds one server's pool, where a command
     waits up to ``pool_timeout`` for a free connection instead of failing. A cluster client opens connections to
-    each node as its commands need them (redis-py's cluster pool fails a command past a bound, not waits)."""
+    each node as its commands need them, and redis-py's cluster pool fails a command past its bound instead of
+    waiting: ``cluster_connections`` sets that bound (per node) where it is given."""
     if settings.redis_cluster:
+        if cluster_connections is not None:
+            options["max_connections"] = cluster_connections
         return redis.asyncio.RedisCluster.from_url(settings.redis_url, **settings.redis_options, **options)
     if max_connections is None:
         return redis.asyncio.Redis.from_url(settings.redis_url, **settings.redis_options, **options)

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import fakeredis
 import httpx
+import pytest
 
 from api.app import REDIS_POOL_SIZE, REDIS_POOL_WAIT_SECONDS, create_app
+from common import keys
 from common.connection import async_client
 from common.settings import Settings
 
@@ -40,3 +43,30 @@ async def test_max_link_num_holds_for_requests_arriving_together(tiny_model_path
             responses = await asyncio.gather(*(client.post("/generate", json=body) for _ in range(5)))
     statuses = sorted(response.status_code for response in responses)
     assert statuses == [429, 429, 429, 500, 500], [r.text for r in responses]
+
+
+@pytest.mark.parametrize("redis_fixture", ["redis_url", "redis_cluster_url"])
+async def test_a_burst_admits_exactly_max_queue_size(tiny_model_path: Path, redis_fixture: str,
+                                                     request: pytest.FixtureRequest) -> None:
+    """300 requests at once with maxQueueSize 32, no worker: exactly 32 jobs are queued (they time out), the rest
+    are refused with 429. Admission reads the depth and adds the job in one step of Redis (api/pipeline.py): with a
+    read and a later XADD, 101 of them got in."""
+    url = request.getfixturevalue(redis_fixture)
+    model = f"burst-{uuid.uuid4().hex[:8]}"
+    settings = Settings(model_path=tiny_model_path, model_name=model, redis_url=url, max_queue_size=32,
+                        max_link_num=1000, token_timeout=2.0, redis_cluster=redis_fixture == "redis_cluster_url")
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+            body = {"inputs": "def main(", "parameters": {"max_new_tokens": 2}}
+            responses = await asyncio.gather(*(client.post("/generate", json=body) for _ in range(300)))
+        redis = app.state.ctx.redis
+        depth = sum([await redis.xlen(stream) for stream in keys.job_streams(model)])
+        for stream in keys.job_streams(model):
+            await redis.delete(stream)
+    statuses = Counter(response.status_code for response in responses)
+    assert depth == 32
+    assert statuses[429] == 268, (statuses, {r.text for r in responses if r.status_code == 424})
+    refusal = next(r.json() for r in responses if r.status_code == 429)
+    assert refusal["error_type"] == "overloaded" and "maxQueueSize 32" in refusal["error"]
