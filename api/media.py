@@ -11,6 +11,8 @@
   checked the same way, for at most :data:`MAX_REDIRECTS` hops.
 * Per-kind caps, enforced while reading (a lying Content-Length or an endless body is cut off), connect and read
   timeouts plus one for the whole fetch; the type is sniffed from the content (``filetype``), not the name.
+* An image's width x height, read from its header (:func:`common.images.open_image`), at most
+  ``maxImagePixels``: a few KB can declare a picture whose decoding would take gigabytes of a worker.
 
 Every refusal is a :class:`MediaRefused` naming the item and the rule; adapters answer it as a validation error.
 """
@@ -35,6 +37,7 @@ import filetype
 import httpcore
 from pydantic import BaseModel, ConfigDict
 
+from common.images import ImageRefused, open_image
 from common.protocol import MediaKind
 from common.settings import Settings
 
@@ -174,7 +177,20 @@ class MediaLoader:
         return [MediaData(kind=item.kind, data=await self.load(item.label, item.kind, item.source)) for item in items]
 
     async def load(self, label: str, kind: MediaKind, source: str) -> bytes:
-        """The bytes of the item ``label``, checked for ``kind``; raises :class:`MediaRefused`."""
+        """The bytes of the item ``label``, checked for ``kind`` (an image's size too, from its header: nothing is
+        decoded here); raises :class:`MediaRefused`."""
+        data = await self._read(label, kind, source)
+        if kind == "image":
+            await anyio.to_thread.run_sync(self._check_image, label, data)
+        return data
+
+    def _check_image(self, label: str, data: bytes) -> None:
+        try:
+            open_image(data, self.settings.max_image_pixels).close()
+        except ImageRefused as exc:
+            raise MediaRefused(f"{label}: the item {exc}") from None
+
+    async def _read(self, label: str, kind: MediaKind, source: str) -> bytes:
         scheme = urlsplit(source).scheme.lower() if "://" in source or source.startswith("data:") else ""
         if scheme == "data":
             return self._data_uri(label, kind, source)

@@ -23,7 +23,6 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.protocol import Finish, Job, TokenEvent, TokenInfo  # noqa: E402
 from common.settings import Settings  # noqa: E402
-from worker.engine import Engine, StepOutput  # noqa: E402
+from worker.engine import Engine, PreparedJob, StepOutput  # noqa: E402
 from worker.main import WorkerLoop  # noqa: E402
 
 FAKE_TOKEN_ID = 42
@@ -72,7 +71,8 @@ class FakeTokenEngine(Engine):
     def room(self) -> int:
         return max(0, self.settings.max_batch_size - len(self._streams))
 
-    def add(self, job: Job, media: Sequence[bytes] = ()) -> None:
+    def add(self, job: Job | PreparedJob) -> None:
+        assert isinstance(job, Job)  # refusal takes no job with media, so none is prepared
         if job.request_id in self._streams:
             raise ValueError(f"request {job.request_id} is already running")
         self._streams[job.request_id] = _Stream(job, time.time(), time.monotonic())

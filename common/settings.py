@@ -362,6 +362,14 @@ class Settings(BaseSettings):
         30.0, gt=0, description="seconds to connect to a media host, between two reads, and for a whole fetch",
         **_spec("ServerConfig", "mediaTimeout", "MEDIA_TIMEOUT"),
     )
+    # 2**26: the full-size pictures of 48 and 64 MP phone cameras (8000 x 6000, 9248 x 6936) and 8192 x 8192 pass;
+    # decoded as RGB one is 192 MiB at most. The ceiling is where Pillow refuses an image itself (twice its
+    # MAX_IMAGE_PIXELS), whatever is set here.
+    max_image_pixels: int = Field(
+        2**26, gt=0, le=178_956_970, description="pixels (width x height) an image item may have, read from its "
+        "header: a larger one is refused by the API pod before it is queued, and by a worker before decoding",
+        **_spec("ServerConfig", "maxImagePixels", "MAX_IMAGE_PIXELS"),
+    )
 
     # Request limits (SPEC.md, section "Server configuration")
     max_iter_times: int = Field(512, gt=0, **_spec("ScheduleConfig", "maxIterTimes", "MAX_ITER_TIMES"))

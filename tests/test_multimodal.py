@@ -1,7 +1,8 @@
 """The multimodal list form end to end (separate API and worker processes, real Redis) on the tiny VLM.
 
 Ground truth is the same folder loaded in the test process with transformers' own LLaVA classes and
-processor: ``generate`` on the processor's expansion of the same prompt and image.
+processor: ``generate`` on the processor's expansion of the same prompt and image. The pixel bound
+(maxImagePixels) is also checked in process: the API app over fakeredis, the worker's processor alone.
 """
 
 from __future__ import annotations
@@ -13,16 +14,25 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import fakeredis
 import httpx
 import PIL.Image
 import pytest
 import redis
 import torch
+from fastapi.testclient import TestClient
 from openai import BadRequestError, OpenAI
 from transformers import AutoProcessor, AutoTokenizer, LlavaForConditionalGeneration
 
+from api.app import create_app
+from common import keys
+from common.images import ImageRefused, open_image
+from common.protocol import Job, MediaRef, SamplingParams
+from common.settings import Settings
 from tests.conftest import Stack, start_stack, stop_stack
 from tests.sse import sse_data
+from worker.engine import RequestRefused
+from worker.media import MediaProcessor
 from worker.tiny_model import IMAGE_TOKEN, VLM_IMAGE_TOKENS
 
 TEXT = "My name is Olivier and I"
@@ -53,7 +63,8 @@ def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("multimodal_inputs")
     (folder / "test.png").write_bytes(RED)
     (folder / "blue.png").write_bytes(BLUE)
-    (folder / "broken.png").write_bytes(RED[:40])  # a PNG header, then nothing an image decoder can use
+    (folder / "broken.png").write_bytes(RED[:40])  # a PNG signature and IHDR, then nothing Pillow can open
+    (folder / "truncated.png").write_bytes(RED[:100])  # a header Pillow opens, its pixels cut short
     return folder
 
 
@@ -212,7 +223,8 @@ def test_media_leave_redis_with_their_request(vlm_stack: Stack) -> None:
     ([{"type": "video_url", "video_url": "clip.mp4"}], "`inputs[0]` (video_url): the model `"),
     ([{"type": "audio_url", "audio_url": "a.wav"}], "takes no audio input"),
     (items(f"two {IMAGE_TOKEN} placeholders", "test.png"), "holds 2 image placeholder tokens (<image>) for 1"),
-    (items(TEXT, "broken.png"), "media item 0 cannot be decoded as an image"),
+    (items(TEXT, "broken.png"), "`inputs[1]` (image_url): the item cannot be decoded as an image"),
+    (items(TEXT, "truncated.png"), "media item 0 cannot be decoded as an image"),  # the worker's refusal
     ([{"type": "image_url", "image_url": "test.png", "detail": "high"}], "`inputs.0.image_url.detail` is not a supported"),
     ([{"type": "picture", "url": "test.png"}], "does not match any of the expected tags"),
     ([], "`inputs`: List should have at least 1 item"),
@@ -238,3 +250,78 @@ def test_a_text_only_model_takes_the_text_items_and_refuses_media(stack: Stack) 
     assert resp.status_code == 422, resp.text
     assert "`inputs[1]` (image_url): the model `" in resp.json()["error"]
     assert "takes no image input" in resp.json()["error"]
+
+
+# -- maxImagePixels: a few KB that would decode to gigabytes ----------------------------------------
+
+def encoded(image: PIL.Image.Image, fmt: str, **options: object) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **options)
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def bombs() -> dict[str, bytes]:
+    """12000 x 12000 (144 M pixels) black images: the PNG of the issue (17 KB) and a JPEG."""
+    return {"png": encoded(PIL.Image.new("1", (12000, 12000)), "PNG"),
+            "jpeg": encoded(PIL.Image.new("L", (12000, 12000)), "JPEG", quality=1)}
+
+
+@pytest.fixture(scope="module")
+def vlm_app(tiny_vlm_path: Path, bombs: dict[str, bytes],
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient, fakeredis.FakeServer]]:
+    """The API app serving the tiny VLM over fakeredis (no worker: nothing queued may be answered)."""
+    folder = tmp_path_factory.mktemp("bomb-media")
+    (folder / "huge.png").write_bytes(bombs["png"])
+    server = fakeredis.FakeServer()
+    settings = Settings(model_path=tiny_vlm_path, multimodal_input_dir=folder, e2e_timeout=5)
+    with TestClient(create_app(settings, redis=fakeredis.FakeAsyncRedis(server=server))) as client:
+        yield client, server
+
+
+def test_the_default_pixel_bound_takes_phone_pictures_and_refuses_the_issue_s_image() -> None:
+    bound = Settings(model_path=Path("unused")).max_image_pixels
+    assert 9248 * 6936 <= bound < 12000 * 12000  # a 64 MP phone's full-size picture; the 144 M pixel PNG
+
+
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")  # refused all the same
+def test_an_image_too_large_is_refused_from_its_header_before_anything_is_queued(
+        vlm_app: tuple[TestClient, fakeredis.FakeServer], bombs: dict[str, bytes]) -> None:
+    """The issue's 17 KB PNG as a file item (TGI: 422) and a 12000 x 12000 JPEG as a base64 data: URI (OpenAI
+    chat: 400): each refused with the limit named, and neither a job nor a media item reaches Redis."""
+    client, server = vlm_app
+    rule = "is an image of 12000 x 12000 = 144,000,000 pixels, more than the 67,108,864 pixels an image may have " \
+           "(maxImagePixels)"
+    resp = client.post("/generate", json={"inputs": items(TEXT, "huge.png"), "parameters": {"max_new_tokens": 2}})
+    assert resp.status_code == 422 and resp.json()["error_type"] == "validation", resp.text
+    assert f"`inputs[1]` (image_url): the item {rule}" in resp.json()["error"]
+    data_uri = "data:image/jpeg;base64," + base64.b64encode(bombs["jpeg"]).decode()
+    model = client.app.state.ctx.model.model_id
+    resp = client.post("/v1/chat/completions", json={"model": model, "max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": TEXT},
+                                     {"type": "image_url", "image_url": {"url": data_uri}}]}]})
+    assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error", resp.text
+    assert rule in resp.json()["error"]["message"]
+    queue = fakeredis.FakeRedis(server=server)
+    assert [queue.xlen(stream) for stream in keys.job_streams(model)] == [0] * len(keys.job_streams(model))
+    assert list(queue.scan_iter(match="*:media:*")) == []
+
+
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")  # refused all the same
+def test_a_worker_refuses_an_image_too_large_before_decoding_it(bombs: dict[str, bytes]) -> None:
+    """Defense in depth (a pod of other settings, a job written to Redis by hand): the worker's processor
+    checks the header too, and never reaches the model's processor."""
+    processor = MediaProcessor(None, {"image": (7, IMAGE_TOKEN)}, max_pixels=2**26)
+    job = Job(request_id="r", model="m", reply_channel="c", input_ids=[1, 7],
+              params=SamplingParams(seed=1, max_new_tokens=2),
+              media=[MediaRef(kind="image", key="k", size=len(bombs["png"]))], enqueued_at=0.0)
+    with pytest.raises(RequestRefused, match=r"media item 0 is an image of 12000 x 12000 = 144,000,000 pixels"):
+        processor.expand(job, [bombs["png"]])
+
+
+def test_open_image_bounds_width_times_height() -> None:
+    picture_100x100 = encoded(PIL.Image.new("RGB", (100, 100)), "PNG")
+    with open_image(picture_100x100, 10_000) as image:
+        assert image.size == (100, 100)
+    with pytest.raises(ImageRefused, match=r"100 x 100 = 10,000 pixels, more than the 9,999 pixels"):
+        open_image(picture_100x100, 9_999)

@@ -10,8 +10,18 @@ import fakeredis
 import pytest
 
 from common import keys
-from common.protocol import DEFAULT_PRIORITY, Control, ErrorEvent, Job, SamplingParams, TokenEvent, decode_event
+from common.protocol import (
+    DEFAULT_PRIORITY,
+    Control,
+    ErrorEvent,
+    Job,
+    MediaRef,
+    SamplingParams,
+    TokenEvent,
+    decode_event,
+)
 from common.settings import Settings
+from worker.engine import PreparedJob, RequestRefused
 from worker.transformers_engine import TransformersEngine
 from worker.main import WorkerLoop
 
@@ -239,3 +249,97 @@ def test_the_bench_s_fake_token_source_keeps_the_engine_contract() -> None:
     events = [out.event for _ in range(3) for out in engine.step()]
     assert [event.index for event in events] == [0, 1, 2] and events[-1].finish is not None
     assert engine.idle
+
+
+class SlowMedia:
+    """A stand-in for ``Engine.prepare`` that holds each job until released (as decoding a large image does)
+    and records the thread it runs on."""
+
+    def __init__(self, outcome: Exception | None = None) -> None:
+        self.release = threading.Event()
+        self.started = threading.Event()
+        self.threads: list[int] = []
+        self.outcome = outcome
+
+    def __call__(self, job: Job, media: list[bytes]) -> PreparedJob:
+        self.threads.append(threading.get_ident())
+        self.started.set()
+        assert self.release.wait(timeout=30) and media == [b"picture"]
+        if self.outcome is not None:
+            raise self.outcome
+        return PreparedJob(job, {})
+
+
+def queue_media_job(loop: WorkerLoop, request_id: str, max_new_tokens: int = 3) -> Job:
+    """A job with one media item, its bytes in Redis as an API pod leaves them."""
+    key = keys.media_key("m", request_id, 0)
+    loop.redis.set(key, b"picture")
+    job = Job(request_id=request_id, model="m", reply_channel=f"reply:{request_id}", input_ids=[1, 50, 60],
+              params=SamplingParams(seed=1, max_new_tokens=max_new_tokens), enqueued_at=time.time(),
+              media=[MediaRef(kind="image", key=key, size=7)])
+    loop.redis.xadd(STREAM, {keys.JOB_FIELD: job.model_dump_json()})
+    return job
+
+
+def events_by_request(subscriber) -> dict[str, list[TokenEvent | ErrorEvent]]:
+    events: dict[str, list[TokenEvent | ErrorEvent]] = {}
+    while (message := subscriber.get_message(timeout=0.1)) is not None:
+        if message["type"] == "pmessage":
+            request_id = message["channel"].decode().removeprefix("reply:")
+            events.setdefault(request_id, []).append(decode_event(message["data"]))
+    return events
+
+
+def test_media_are_prepared_beside_the_steps(loop: WorkerLoop, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a job's media are being prepared (held here until released), the loop keeps stepping: a text job
+    runs to its end meanwhile. The job waiting for its media is the worker's (heartbeats keep it, it takes a place
+    in the batch); once its media are ready, the engine takes it."""
+    prepare = SlowMedia()
+    monkeypatch.setattr(loop.engine, "prepare", prepare)
+    subscriber = subscribe(loop)
+    queue_media_job(loop, "picture")
+    queue_job(loop, "text", [1, 50, 61], max_new_tokens=6)
+    loop.run_once()
+    assert prepare.started.wait(timeout=10) and prepare.threads != [threading.get_ident()]
+    while loop.engine.batch_size:
+        loop.run_once()
+    assert set(loop._inflight) == {"picture"} and loop.status().waiting == 1
+    events = events_by_request(subscriber)
+    assert [event.index for event in events["text"]] == list(range(6)) and "picture" not in events
+    prepare.release.set()
+    events = run_until_idle(loop, subscriber)  # the first iteration waits for the media, the next adds the job
+    while loop._inflight:
+        events += run_until_idle(loop, subscriber)
+    assert [event.index for event in events] == [0, 1, 2] and events[-1].finish is not None
+    assert loop.redis.xlen(STREAM) == 0 and loop.redis.xpending(STREAM, loop.group)["pending"] == 0
+
+
+@pytest.mark.parametrize("action", ["cancel", "stop", "refused", "failed"])
+def test_a_job_waiting_for_its_media(loop: WorkerLoop, monkeypatch: pytest.MonkeyPatch, action: str) -> None:
+    """Controls reach a job whose media are being prepared: cancelled, it never reaches the engine; stopped, it
+    ends at its first token. Media the engine refuses are a validation error, a processor that fails a
+    generation error; either way the job is acknowledged and the worker goes on."""
+    outcome = {"refused": RequestRefused("media item 0 is too large"), "failed": RuntimeError("boom")}.get(action)
+    prepare = SlowMedia(outcome)
+    monkeypatch.setattr(loop.engine, "prepare", prepare)
+    subscriber = subscribe(loop)
+    queue_media_job(loop, "picture", max_new_tokens=5)
+    loop.run_once()
+    assert prepare.started.wait(timeout=10) and set(loop._inflight) == {"picture"}
+    if action in ("cancel", "stop"):
+        loop.apply_control(Control(action=action, request_id="picture"))
+    prepare.release.set()
+    events = []
+    for _ in range(200):
+        events += run_until_idle(loop, subscriber)
+        if not loop._inflight:
+            break
+    expected = {
+        "cancel": [],
+        "stop": ["stop_sequence"],
+        "refused": ["request does not fit this worker: media item 0 is too large"],
+        "failed": ["preparing the request's media failed: boom"],
+    }[action]
+    assert [e.message if isinstance(e, ErrorEvent) else e.finish.finish_reason for e in events] == expected
+    assert loop.engine.idle and not loop._preparing
+    assert loop.redis.xlen(STREAM) == 0 and loop.redis.xpending(STREAM, loop.group)["pending"] == 0

@@ -1,8 +1,8 @@
 """The engine contract: what the queue loop (:mod:`worker.main`) asks of whichever engine runs the model.
 
-The loop only admits jobs, steps, cancels, stops and reads capacity and state; it never knows which engine
-it drives. Two engines implement :class:`Engine`, each in its own module, chosen by ``Settings.engine``
-(``--engine``, env ``ENGINE``, config ``BackendConfig.engine``):
+The loop only admits jobs (a multimodal job's media prepared beside its steps), steps, cancels, stops and
+reads capacity and state; it never knows which engine it drives. Two engines implement :class:`Engine`, each
+in its own module, chosen by ``Settings.engine`` (``--engine``, env ``ENGINE``, config ``BackendConfig.engine``):
 
 - ``transformers`` (:mod:`worker.transformers_engine`): continuous batching written here over any Hugging
   Face causal LM, on CPU, CUDA or NPU;
@@ -21,7 +21,7 @@ import importlib
 import time
 from abc import ABC, abstractmethod
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -102,6 +102,15 @@ class AdapterSet:
         self._unloading.discard(name)
         del self.loaded[name]
         self._free(name)
+
+
+@dataclass(frozen=True)
+class PreparedJob:
+    """A job with media as :meth:`Engine.prepare` made it: its prompt with every placeholder expanded into the
+    item's feature tokens, and what its prefill passes to the model beside the ids (e.g. ``pixel_values``)."""
+
+    job: Job
+    inputs: Mapping[str, Any]
 
 
 @dataclass(frozen=True)
@@ -231,8 +240,8 @@ def prompt_details(
 
 class Engine(ABC):
     """One model on one device, running many requests at once. Not thread-safe: the queue loop calls every
-    method from one thread. A request gets one :class:`StepOutput` per generated token from :meth:`step`,
-    the last one finished; a cancelled request gets nothing more."""
+    method from one thread, but for :meth:`prepare`. A request gets one :class:`StepOutput` per generated token
+    from :meth:`step`, the last one finished; a cancelled request gets nothing more."""
 
     #: prompt + generated tokens of one request, at most
     max_total_tokens: int
@@ -253,15 +262,22 @@ class Engine(ABC):
         behind the ones already added (0: none). The worker reads up to that many from a job stream at once, so
         jobs that came together start together, and leaves the rest in the streams for any worker of the pool."""
 
+    def prepare(self, job: Job, media: Sequence[bytes]) -> PreparedJob:
+        """Make a job's media into the model's inputs (``media[i]`` holds the bytes of ``job.media[i]``): the
+        slow part of admitting a multimodal job (decoding, the model's processor). Unlike the other methods it
+        is thread-safe and changes no engine state: the queue loop runs it on its media threads while it steps,
+        so an image being decoded never stalls the running requests. Raises :class:`RequestRefused` for media
+        the engine cannot take, or a prompt they expand past the limits (the :meth:`refusal` of the
+        placeholder prompt is only a lower bound). This default takes no media."""
+        raise RequestRefused("the served model takes no media input")
+
     @abstractmethod
-    def add(self, job: Job, media: Sequence[bytes] = ()) -> None:
-        """Queue a job (one without a :meth:`refusal`, and not known already) for the following steps;
-        ``media[i]`` holds the bytes of ``job.media[i]``. A job with an :attr:`~common.protocol.Job.adapter`
-        runs with that LoRA adapter, loaded from its folder the first time its name is seen (again when the
-        name comes back with another folder and no running request uses the old one). Raises
-        :class:`RequestRefused` for media the engine cannot take, a prompt they expand past the limits (the
-        :meth:`refusal` of the placeholder prompt is only a lower bound), or an adapter that cannot be
-        loaded or used here."""
+    def add(self, job: Job | PreparedJob) -> None:
+        """Queue a job (one without a :meth:`refusal`, and not known already) for the following steps: one
+        with media as :meth:`prepare` made it. A job with an :attr:`~common.protocol.Job.adapter` runs with
+        that LoRA adapter, loaded from its folder the first time its name is seen (again when the name comes
+        back with another folder and no running request uses the old one). Raises :class:`RequestRefused` for
+        an adapter that cannot be loaded or used here."""
 
     @abstractmethod
     def unload_adapter(self, name: str) -> None:

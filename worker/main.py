@@ -26,6 +26,8 @@ import socket
 import sys
 import time
 from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import Any, NamedTuple, get_args
 
 from pydantic import ValidationError
@@ -41,7 +43,7 @@ from common.process import command_parser, freeze_startup_heap
 from common.protocol import Control, ErrorEvent, Job, WorkerStatus
 from common.settings import EngineName, Settings, settings_or_exit
 from worker.cpu_threads import place_worker_threads
-from worker.engine import Engine, EngineLoadError, RequestRefused, StepOutput, load_engine
+from worker.engine import Engine, EngineLoadError, PreparedJob, RequestRefused, StepOutput, load_engine
 from worker.metrics import WorkerMetrics
 
 log = logging.getLogger("ferry.worker")
@@ -51,6 +53,11 @@ IDLE_BLOCK_MS = 1000
 LOOK_EVERY_SECONDS = 1.0
 """A running worker with room looks for queued jobs when an API pod's ``queued`` notice says one came, and at
 least this often anyway (a notice is lost with the control subscription, and an older pod sends none)."""
+MEDIA_THREADS = 2
+"""Jobs whose media are prepared at once, beside the steps (:meth:`worker.engine.Engine.prepare`): each holds a
+core and up to 3 x maxImagePixels bytes per image while it decodes, so a few."""
+MEDIA_WAIT_SECONDS = 0.05
+"""How long an otherwise idle worker waits for media being prepared before it reads controls and deadlines again."""
 RECONNECT_FIRST_DELAY = 0.1
 RECONNECT_MAX_DELAY = 5.0
 # What losing Redis (or the shard of the model's keys) raises: the loop reconnects instead of crashing. NOGROUP
@@ -82,6 +89,15 @@ class Running(NamedTuple):
     expires_at: float  # its deadline on this process's monotonic clock (Job.local_deadline)
 
 
+@dataclass
+class Preparing:
+    """A job whose media the engine prepares on the media threads, and whether a stop order came meanwhile (it
+    applies once the job is added)."""
+
+    future: Future[PreparedJob]
+    stopping: bool = False
+
+
 class WorkerLoop:
     """Moves jobs between Redis and the engine. All state of the worker lives here."""
 
@@ -95,6 +111,9 @@ class WorkerLoop:
         self.group = keys.worker_group(self.model)
         self.consumer = keys.consumer_name(settings.worker_pool, socket.gethostname(), os.getpid())
         self._inflight: dict[str, Running] = {}  # by request id
+        # Accepted jobs (in _inflight) whose media are being prepared, by request id; the threads that prepare them.
+        self._preparing: dict[str, Preparing] = {}
+        self._media_threads = ThreadPoolExecutor(MEDIA_THREADS, thread_name_prefix="ferry-media")
         self._control: PubSub | None = None
         self._outbox = Outbox(redis)  # each step's events and acknowledgements
         self._sent: list[StepOutput] = []  # the step whose events are in the outbox
@@ -162,7 +181,8 @@ class WorkerLoop:
     # -- one iteration -----------------------------------------------------------------------------
 
     def run_once(self) -> None:
-        """Apply control messages and deadlines, take new jobs while the engine has room, run one step."""
+        """Apply control messages and deadlines, hand the engine the jobs whose media are ready, take new jobs
+        while it has room, run one step."""
         now = time.time()
         self.heartbeat(now)
         self.apply_controls()
@@ -170,9 +190,13 @@ class WorkerLoop:
         if self._running and now >= self._next_claim:
             self._next_claim = now + self.settings.claim_idle_seconds / 2
             self.claim_abandoned()
+        self._add_prepared()
         if self.engine.idle:  # nothing to compute: wait for a job (a running batch looks in publish)
             self.settle()
-            self.take_jobs(IDLE_BLOCK_MS)
+            if self._preparing:
+                self._wait_for_media()
+            else:
+                self.take_jobs(IDLE_BLOCK_MS)
         if not self.engine.idle:
             self.step()
 
@@ -180,14 +204,14 @@ class WorkerLoop:
         """Look which job streams hold jobs no worker has taken and accept as many as the engine has room for,
         in one read per stream, the most urgent stream first. When none does, wait up to ``block`` ms for a
         job to come to any stream."""
-        if not self._running or not (room := self.engine.room()):
+        if not self._running or not (room := self._room()):
             return
         self._look_due, self._next_look = False, time.monotonic() + LOOK_EVERY_SECONDS
         taken = False
         for stream in self._queued():  # another worker may have taken a stream's jobs since the look
             entries = self.redis.xreadgroup(self.group, self.consumer, {stream: ">"}, count=room)
             taken = self._accept_read(entries) or taken
-            if not (room := self.engine.room()):
+            if not (room := self._room()):
                 self._look_due = True  # the streams may hold more: look again once there is room
                 return
         if not taken and block is not None:
@@ -238,7 +262,7 @@ class WorkerLoop:
         return WorkerStatus(
             device=self.settings.device,
             batch_size=engine.batch_size,
-            waiting=engine.waiting,
+            waiting=engine.waiting + len(self._preparing),
             kv_reserved_tokens=engine.reserved_tokens,
             kv_budget_tokens=engine.kv_budget_tokens,
             max_batch_size=self.settings.max_batch_size,
@@ -267,7 +291,10 @@ class WorkerLoop:
         if control.request_id not in self._inflight:
             return  # another worker's request, or one this worker has not read yet (see accept)
         if control.action == "stop":
-            self.engine.stop(control.request_id)
+            if (preparing := self._preparing.get(control.request_id)) is not None:
+                preparing.stopping = True
+            else:
+                self.engine.stop(control.request_id)
         else:
             self.engine.cancel(control.request_id)
             self.ack([control.request_id])
@@ -343,23 +370,66 @@ class WorkerLoop:
                 self.apply_control(control)
 
     def _add(self, entry: Entry, job: Job, expires_at: float) -> bool:
-        """Hand one job with its media to the engine; whether it took it (else its client got an error)."""
-        media: list[bytes] = []
+        """Hand one job to the engine; whether it was taken (else its client got an error). A job with media
+        reaches the engine once the media threads have prepared them (:meth:`_add_prepared`): decoding an image
+        never holds up the steps of the others. Meanwhile it is in ``_inflight``, so controls, deadlines and
+        heartbeats apply to it as to a running one."""
         if job.media:
-            found = self.redis.mget([ref.key for ref in job.media])
-            if any(data is None for data in found):
+            media = self.redis.mget([ref.key for ref in job.media])
+            if any(data is None for data in media):
                 self.fail([job], "the request's media are no longer in Redis (its API pod ended it)", "generation")
                 self._ack_ids([entry])
                 return False
-            media = found
-        try:
-            self.engine.add(job, media)
-        except RequestRefused as exc:
-            self.fail([job], f"request does not fit this worker: {exc}", "validation")
-            self._ack_ids([entry])
-            return False
+            self._preparing[job.request_id] = Preparing(self._media_threads.submit(self.engine.prepare, job, media))
+        else:
+            try:
+                self.engine.add(job)
+            except RequestRefused as exc:
+                self._refuse(entry, job, exc)
+                return False
         self._inflight[job.request_id] = Running(entry, job, expires_at)
         return True
+
+    def _add_prepared(self) -> None:
+        """Hand the engine the jobs whose media are ready, without waiting for the others; forget those that
+        ended meanwhile (cancelled, expired or dropped: no longer in ``_inflight``)."""
+        for request_id, preparing in list(self._preparing.items()):
+            running = self._inflight.get(request_id)
+            if running is not None and not preparing.future.done():
+                continue
+            del self._preparing[request_id]
+            if running is None:
+                preparing.future.cancel()  # not prepared at all if its turn had not come
+                continue
+            try:
+                self.engine.add(preparing.future.result())
+            except RequestRefused as exc:
+                self._refuse(running.entry, running.job, exc)
+            except Exception as exc:  # the model's processor failed on this request's media: the others go on
+                log.exception("preparing the media failed", extra={"request_id": request_id})
+                self.fail([running.job], f"preparing the request's media failed: {exc}", "generation")
+                self.ack([request_id])
+            else:
+                if preparing.stopping:
+                    self.engine.stop(request_id)
+
+    def _wait_for_media(self) -> None:
+        """With nothing to compute but media being prepared: look for jobs when told to, then wait a moment for
+        the first media to be ready."""
+        if self._look_due or time.monotonic() >= self._next_look:
+            self.take_jobs()
+        if self.engine.idle:
+            wait([preparing.future for preparing in self._preparing.values()], MEDIA_WAIT_SECONDS, FIRST_COMPLETED)
+
+    def _room(self) -> int:
+        """The engine's room less the jobs being prepared for it (each takes a place once added)."""
+        return max(0, self.engine.room() - len(self._preparing))
+
+    def _refuse(self, entry: Entry, job: Job, exc: RequestRefused) -> None:
+        """Answer a job the engine refused with a validation error, and be done with it."""
+        self.fail([job], f"request does not fit this worker: {exc}", "validation")
+        self._inflight.pop(job.request_id, None)
+        self._ack_ids([entry])
 
     def step(self) -> None:
         started = time.perf_counter()
@@ -367,7 +437,7 @@ class WorkerLoop:
             outputs = self.engine.step()
         except Exception as exc:  # a model-level failure: fail the batch's jobs, keep serving
             log.exception("engine step failed")
-            jobs = [running.job for running in self._inflight.values()]
+            jobs = [running.job for rid, running in self._inflight.items() if rid not in self._preparing]
             for job in jobs:
                 self.engine.cancel(job.request_id)
             self.fail(jobs, f"generation failed: {exc}", "generation")

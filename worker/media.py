@@ -1,25 +1,26 @@
 """A multimodal job's media made into the model's inputs, by the model's own processor.
 
 The API pod queues a multimodal prompt with one placeholder token per media item (the token the model's config
-names, e.g. LLaVA's ``<image>``) and the item's bytes in Redis. Here each image is decoded and handed, with its
-placeholder's text, to the model folder's ``AutoProcessor``: what it returns is the placeholder expanded into
-the item's feature tokens (so the expanded prompt is what ``prompt_tokens``, the length limits and the KV budget
-count) and the tensors the model's forward takes with them (``pixel_values``, and ``image_sizes`` or
-``image_grid_thw`` where the model has them). The tensors of several images, and of several requests in one
-prefill, concatenate along their first dimension in placeholder order, the order the model consumes them.
+names, e.g. LLaVA's ``<image>``) and the item's bytes in Redis. Here, on the queue loop's media threads
+(:meth:`worker.engine.Engine.prepare`), each image is checked against ``maxImagePixels`` from its header
+(:mod:`common.images`), decoded and handed, with its placeholder's text, to the model folder's
+``AutoProcessor``: what it returns is the placeholder expanded into the item's feature tokens (so the expanded
+prompt is what ``prompt_tokens``, the length limits and the KV budget count) and the tensors the model's
+forward takes with them (``pixel_values``, and ``image_sizes`` or ``image_grid_thw`` where the model has them).
+The tensors of several images, and of several requests in one prefill, concatenate along their first
+dimension in placeholder order, the order the model consumes them.
 """
 
 from __future__ import annotations
 
-import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import PIL.Image
 import torch
 from transformers import AutoProcessor, PretrainedConfig
 
+from common.images import ImageRefused, open_image
 from common.model_files import declared_media
 from common.protocol import Job, MediaKind
 from worker.engine import RequestRefused
@@ -44,22 +45,25 @@ def concatenate(parts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.
 class MediaProcessor:
     """Expands a model's image placeholders with its processor (the only kind the workers decode here)."""
 
-    def __init__(self, processor: object, placeholders: Mapping[MediaKind, tuple[int, str]]) -> None:
+    def __init__(self, processor: object, placeholders: Mapping[MediaKind, tuple[int, str]], max_pixels: int) -> None:
         self.processor = processor
         self.placeholders = dict(placeholders)  # kind -> (token id, token text)
+        self.max_pixels = max_pixels  # maxImagePixels: larger images are refused before they are decoded
 
     @classmethod
-    def load(cls, path: Path, config: PretrainedConfig, trust_remote_code: bool) -> "MediaProcessor | None":
+    def load(cls, path: Path, config: PretrainedConfig, trust_remote_code: bool,
+             max_pixels: int) -> "MediaProcessor | None":
         """The processor of a model whose config declares an image placeholder; None for a text-only model."""
         declared = declared_media(config.to_dict())
         if "image" not in declared:
             return None
         processor = AutoProcessor.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         token_id = declared["image"]
-        return cls(processor, {"image": (token_id, processor.tokenizer.convert_ids_to_tokens(token_id))})
+        return cls(processor, {"image": (token_id, processor.tokenizer.convert_ids_to_tokens(token_id))}, max_pixels)
 
     def expand(self, job: Job, media: Sequence[bytes]) -> MediaInputs:
-        """The job's prompt and tensors with its media (``media[i]`` is ``job.media[i]``'s bytes)."""
+        """The job's prompt and tensors with its media (``media[i]`` is ``job.media[i]``'s bytes). Thread-safe:
+        the queue loop runs it beside its steps (:meth:`worker.engine.Engine.prepare`)."""
         ids: list[int] = []
         tensors: list[dict[str, torch.Tensor]] = []
         items = iter(zip(job.media, media))
@@ -80,9 +84,11 @@ class MediaProcessor:
 
     def _image(self, index: int, data: bytes) -> tuple[list[int], dict[str, torch.Tensor]]:
         try:
-            with PIL.Image.open(io.BytesIO(data)) as image:
+            with open_image(data, self.max_pixels) as image:
                 rgb = image.convert("RGB")
-        except (OSError, ValueError, PIL.Image.DecompressionBombError) as exc:
+        except ImageRefused as exc:
+            raise RequestRefused(f"media item {index} {exc}") from None
+        except (OSError, ValueError) as exc:  # the header is read, the pixels are not (truncated, corrupt)
             raise RequestRefused(f"media item {index} cannot be decoded as an image: {exc}") from None
         out = self.processor(text=self.placeholders["image"][1], images=[rgb], add_special_tokens=False,
                              return_tensors="pt")

@@ -12,7 +12,9 @@ requests of several adapters and of the base model decode together. An adapter i
 and no added request uses it any more; with the last one the model is unwrapped again, so requests without
 adapter run exactly as they do on a model that never had one.
 
-The engine is not thread-safe: the queue loop calls every method from one thread.
+The engine is not thread-safe: the queue loop calls every method from one thread, but
+:meth:`~TransformersEngine.prepare` (a multimodal job's media made into model inputs), which it runs on its
+media threads beside the steps.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from worker.engine import (
     AdapterSet,
     Engine,
     EngineLoadError,
+    PreparedJob,
     RequestRefused,
     RequestState,
     StepOutput,
@@ -124,7 +127,7 @@ class TransformersEngine(Engine):
         dtype = settings.dtype if settings.dtype == "auto" else getattr(torch, settings.dtype)
         try:
             config = AutoConfig.from_pretrained(str(path), trust_remote_code=remote)
-            media = MediaProcessor.load(path, config, remote)
+            media = MediaProcessor.load(path, config, remote, settings.max_image_pixels)
             # A vision-language model (its config declares an image token) loads as image-text-to-text.
             auto_class = AutoModelForCausalLM if media is None else AutoModelForImageTextToText
             model = auto_class.from_pretrained(str(path), config=config, dtype=dtype, trust_remote_code=remote)
@@ -160,27 +163,34 @@ class TransformersEngine(Engine):
             return 0
         return max(0, min(settings.max_batch_size - len(sequences), settings.max_prefill_batch_size - len(self._waiting)))
 
-    def add(self, job: Job, media: Sequence[bytes] = ()) -> None:
-        """Queue a job for admission at a following step; a multimodal one with its prompt expanded by the
-        model's processor (:mod:`worker.media`), which is what its limits then apply to; one with an adapter
-        after loading it if need be (:class:`worker.engine.AdapterSet`)."""
-        if self._knows(job.request_id):
-            raise ValueError(f"request {job.request_id} is already queued or running")
-        inputs = None
-        if job.media:
-            if self.media is None:
-                raise RequestRefused("the served model takes no media input")
-            inputs = self.media.expand(job, media)
-            job = job.model_copy(update={"input_ids": inputs.input_ids})
-            if (reason := self.refusal(job)) is not None:
-                raise RequestRefused(f"with its media expanded, {reason}")
+    def prepare(self, job: Job, media: Sequence[bytes]) -> PreparedJob:
+        """The prompt expanded by the model's processor (:mod:`worker.media`), which is what the job's limits then
+        apply to, and its tensors on the model's device. Reads only the processor, the settings and the model's
+        device and dtype, so it runs beside :meth:`step`."""
+        if self.media is None:
+            return super().prepare(job, media)
+        inputs = self.media.expand(job, media)
+        job = job.model_copy(update={"input_ids": inputs.input_ids})
+        if (reason := self.refusal(job)) is not None:
+            raise RequestRefused(f"with its media expanded, {reason}")
+        model = self.model
+        return PreparedJob(job, {name: value.to(model.device, model.dtype if value.is_floating_point() else None)
+                                 for name, value in inputs.tensors.items()})
+
+    def add(self, job: Job | PreparedJob) -> None:
+        """Queue a job for admission at a following step; one with an adapter after loading it if need be
+        (:class:`worker.engine.AdapterSet`)."""
+        inputs: dict[str, torch.Tensor] = {}
+        if isinstance(job, PreparedJob):
+            job, inputs = job.job, dict(job.inputs)
+        elif job.media:
+            raise ValueError(f"request {job.request_id} holds media: prepare it first")
         elif (reason := self.refusal(job)) is not None:
             raise ValueError(f"request {job.request_id}: {reason}")
+        if self._knows(job.request_id):
+            raise ValueError(f"request {job.request_id} is already queued or running")
         state = new_request_state(job, self._decode, self.max_total_tokens)
-        if inputs is not None:
-            model = self.model
-            state.extra_inputs = {name: value.to(model.device, model.dtype if value.is_floating_point() else None)
-                                  for name, value in inputs.tensors.items()}
+        state.extra_inputs = inputs
         if job.adapter is not None:
             self.adapters.acquire(job.adapter)
         enqueue(self._waiting, state, lambda seq: seq.job.priority)

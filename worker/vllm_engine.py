@@ -46,6 +46,7 @@ from worker.engine import (
     AdapterSet,
     Engine,
     EngineLoadError,
+    PreparedJob,
     RequestRefused,
     RequestState,
     StepOutput,
@@ -160,10 +161,13 @@ class VllmEngine(Engine):
         (vLLM's ``max_num_seqs``), so the rest wait in the job streams where any worker can take them."""
         return max(0, self.settings.max_batch_size - len(self._requests))
 
-    def add(self, job: Job, media: Sequence[bytes] = ()) -> None:
-        if media:
-            raise RequestRefused("the vllm engine takes no media input in this version; serve multimodal models "
-                                 "with the transformers engine")
+    def prepare(self, job: Job, media: Sequence[bytes]) -> PreparedJob:
+        raise RequestRefused("the vllm engine takes no media input in this version; serve multimodal models "
+                             "with the transformers engine")
+
+    def add(self, job: Job | PreparedJob) -> None:
+        if isinstance(job, PreparedJob) or job.media:  # prepare refuses every job with media
+            raise ValueError("the vllm engine takes no media input")
         if (reason := self.refusal(job)) is not None:
             raise ValueError(f"request {job.request_id}: {reason}")
         if job.request_id in self._requests:
