@@ -6,6 +6,9 @@ A request selects an adapter by name (TGI and KServe ``adapter_id``, OpenAI ``mo
 while the name is in the registry. Workers load an adapter from its folder the first time a job names it.
 Unloading removes the name at once (new requests for it are refused) and tells the model's workers, which free
 the weights when the requests already running with it have finished: nothing running is cut short.
+
+The load route takes folders in the allowed ones only (:func:`allowed_folder`): any other path, whether it exists
+or not, gets the same refusal, which names no path, so the route neither loads nor reveals the server's files.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from api.context import ServerContext
 from common import keys
 from common.connection import publish
 from common.protocol import Control
+from common.settings import Settings
 
 ADAPTER_CONFIG = "adapter_config.json"  # peft's save_pretrained writes it beside the weights
 
@@ -41,6 +45,17 @@ async def model_of(ctx: ServerContext, adapter: str) -> ServerContext | None:
         pipe.hexists(keys.adapters_key(model), adapter)
     found = await pipe.execute()
     return next((ctx.for_model(model) for model, has in zip(ctx.models, found) if has), None)
+
+
+def allowed_folder(settings: Settings, path: str) -> bool:
+    """Whether ``path``, symlinks and ``..`` resolved, is in a folder adapters may be loaded from at run time:
+    one of loraAdapterRoots, or a configured adapter's own (loraModules), which can so be loaded again."""
+    configured = [Path(folder) for entry in settings.served_models for folder in entry.lora_modules.values()]
+    try:
+        target = Path(path).resolve()
+        return any(target.is_relative_to(root.resolve()) for root in [*settings.lora_adapter_roots, *configured])
+    except (OSError, RuntimeError, ValueError):  # a NUL character; a symlink loop (RuntimeError before 3.13)
+        return False
 
 
 def folder_refusal(path: str) -> str | None:

@@ -8,8 +8,10 @@
   (``stopping``: 503 in each protocol's error format); once the requests in flight have finished (with
   ``Force``: after :data:`FORCE_SECONDS` at most) the pod stops the way SIGTERM stops it, by ending uvicorn's
   serve loop (``app.state.stop_server``, set by :func:`api.main.api_server`): uvicorn's graceful shutdown,
-  then the lifespan's; with ``Force`` and requests still running, uvicorn does not wait for them. With API
-  keys configured it needs one, like the POST routes.
+  then the lifespan's; with ``Force`` and requests still running, uvicorn does not wait for them. A GET that
+  changes state, so guarded (:func:`_stop_refusal`): with API keys configured it needs one, like the POST routes;
+  with neither keys nor a management port it is refused (403) unless ``allowOpenStopService``; and a browser's
+  cross-site request (an ``<img>`` on a web page) is refused in every configuration.
 - :class:`PlaneMiddleware`: with ``managementPort`` / ``metricsPort`` set apart from the business port
   (:attr:`common.settings.Settings.listeners`), each port serves its planes' routes only, any other path is a
   404 in its protocol's format, and ``/stopService`` is served on the management port only.
@@ -38,6 +40,9 @@ log = logging.getLogger(__name__)
 FORCE_SECONDS = 5.0  # stopService?mode=Force: the longest wait for the requests in flight
 DRAIN_POLL_SECONDS = 0.1
 STOP_SERVICE = "/stopService"
+# Sec-Fetch-Site values of a request the browser's user made on the pod's own page or address bar; a browser sends
+# "cross-site" or "same-site" for a request a web page makes, and other clients (curl, kubelets) send none.
+OWN_SITE = frozenset({"same-origin", "none"})
 METRICS_PATHS = re.compile(r"^/(metrics|metrics-json)$")
 MANAGEMENT_PATHS = re.compile(
     r"^/(health(/.*)?|v2/health/.*|v[12]/status|v2/models/[^/]+/getSlotCount|metrics|metrics-json|stopService"
@@ -60,6 +65,7 @@ async def config(ctx: Ctx) -> dict[str, Any]:
 
 @router.get(STOP_SERVICE, response_model=StopServiceResponse,
             responses={401: tgi.ERROR_RESPONSES[422] | {"description": "API key missing or wrong"},
+                       403: tgi.ERROR_RESPONSES[422] | {"description": "not served to this caller (README)"},
                        422: tgi.ERROR_RESPONSES[422]},
             summary="Drain this pod, then stop it (mode=Force: stop after 5 s even with requests in flight)")
 async def stop_service(
@@ -67,6 +73,8 @@ async def stop_service(
 ) -> StopServiceResponse | Response:
     if not authorized(http):
         return unauthorized(tgi.render_tgi_error)
+    if (refusal := _stop_refusal(ctx.settings, http)) is not None:
+        return tgi.render_tgi_error(ProtocolError(403, refusal, "forbidden"))
     loop = asyncio.get_running_loop()
     drain = ctx.drain
     if mode == "Force":
@@ -78,6 +86,17 @@ async def stop_service(
                     ctx.relay.in_flight)
         http.app.state.drain_task = asyncio.create_task(_drain_then_stop(ctx, http.app.state), name="stop-service")
     return StopServiceResponse(status="stopping")
+
+
+def _stop_refusal(settings: Settings, http: Request) -> str | None:
+    """Why ``/stopService`` is not served to this request (an authorized one), None when it is."""
+    if http.headers.get("sec-fetch-site", "none") not in OWN_SITE:
+        return "stopService is not served to a request a web page made (Sec-Fetch-Site: cross-site or same-site)"
+    guarded = bool(settings.api_keys) or any("management" in planes for planes in settings.listeners.values())
+    if not guarded and not settings.allow_open_stop_service:
+        return ("stopService needs an API key (apiKeys) or a management port (managementPort) to guard it, or "
+                "allowOpenStopService set to true")
+    return None
 
 
 async def _drain_then_stop(ctx: ServerContext, state: Any) -> None:

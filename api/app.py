@@ -20,7 +20,8 @@ from starlette.exceptions import HTTPException
 
 from api import __version__, adapters, admin, kserve, mindie, openai, ops, tgi
 from api.context import ModelInfo, ServerContext
-from api.errors import ProtocolError
+from api.errors import HeaderLimit, ProtocolError
+from api.ranges import integral_bounds
 from api.relay import EventRelay
 from common.connection import REDIS_ERRORS, AsyncRedis, async_client
 from common.settings import Settings
@@ -62,7 +63,8 @@ async def http_error(request: Request, exc: HTTPException) -> Response:
 def openapi_document(app: FastAPI) -> dict[str, Any]:
     """FastAPI's document less the 422 ``HTTPValidationError`` answer it adds to every route that takes
     parameters: no route sends that body, each answers a bad request in its protocol's own format and status
-    (TGI 422, KServe and OpenAI 400), which its router declares."""
+    (TGI 422, KServe and OpenAI 400), which its router declares; with its whole bounds written as integers
+    (:func:`api.ranges.integral_bounds`)."""
     if app.openapi_schema is None:
         document = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
         fastapi_error = {"$ref": "#/components/schemas/HTTPValidationError"}
@@ -73,6 +75,7 @@ def openapi_document(app: FastAPI) -> dict[str, Any]:
                     del operation["responses"]["422"]
         for name in ("HTTPValidationError", "ValidationError"):
             document["components"]["schemas"].pop(name, None)
+        integral_bounds(document)
         app.openapi_schema = document
     return app.openapi_schema
 
@@ -123,5 +126,6 @@ def create_app(settings: Settings, redis: AsyncRedis | None = None) -> FastAPI:
     app.include_router(ops.router)
     app.include_router(admin.router)  # /v1/config, /stopService
     app.add_middleware(admin.PlaneMiddleware, settings=settings, render=render_for_path)  # management, metrics ports
+    app.add_middleware(HeaderLimit, limit=settings.max_header_bytes, render=render_for_path)  # every port, first
     app.openapi = partial(openapi_document, app)  # type: ignore[method-assign]  # FastAPI's documented hook
     return app

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from collections.abc import Mapping
@@ -90,6 +91,28 @@ class Drain:
     force_at: float | None = None
 
 
+@dataclass(frozen=True)
+class ProbeResult:
+    """How a ``/health/timed`` probe ended: ``error`` None when its token came; ``seconds`` it took; ``at``: when
+    it ended (event-loop time)."""
+
+    error: str | None
+    seconds: float
+    at: float
+
+
+@dataclass
+class TimedHealthProbe:
+    """The pod's ``/health/timed`` probe (:mod:`api.mindie`), shared by every per-model copy of the context: the
+    generation ``running``, which every caller waits for (``waiters`` of them), and the ``last`` result, which
+    answers the calls of the next timedHealthCacheSeconds. So probes cost one generation at a time, however many
+    callers (kubelets send no API key: the route stays open)."""
+
+    running: asyncio.Task[ProbeResult] | None = None
+    waiters: int = 0
+    last: ProbeResult | None = None
+
+
 @dataclass
 class ServerContext:
     """Everything a request handler needs; one per app, held on ``app.state.ctx``.
@@ -107,6 +130,7 @@ class ServerContext:
     metrics: ApiMetrics = field(default_factory=ApiMetrics)
     media: MediaLoader | None = None  # None: one under ``settings``' rules
     drain: Drain = field(default_factory=Drain)  # one object: for_model's copies share it
+    health_probe: TimedHealthProbe = field(default_factory=TimedHealthProbe)  # shared likewise
 
     def __post_init__(self) -> None:
         self.models.setdefault(self.model.model_id, self.model)

@@ -27,7 +27,7 @@ from api.pipeline import (
     check_text,
     validate_stop,
 )
-from api.ranges import in_range, stop_schema, text_schema
+from api.ranges import Integer, in_range, stop_schema, text_schema
 from common.protocol import ADAPTER_NAME_PATTERN
 
 INPUT_NAME = "input0"
@@ -55,19 +55,21 @@ class SamplingParameters(BaseModel):
         float | None, in_range("`temperature` must be strictly positive. Given: {v}", gt=0.0)
     ] = None
     top_k: Annotated[
-        int | None, in_range(f"`top_k` must be >= 0 and <= {INT32_MAX} (0 = off). Given: {{v}}", ge=0, le=INT32_MAX)
+        Integer | None, in_range(f"`top_k` must be >= 0 and <= {INT32_MAX} (0 = off). Given: {{v}}", ge=0, le=INT32_MAX)
     ] = None
     top_p: Annotated[
         float | None, in_range("`top_p` must be > 0.0 and <= 1.0 (1.0 = off). Given: {v}", gt=0.0, le=1.0)
     ] = None
     do_sample: bool | None = None
     seed: Annotated[
-        int | None, in_range(f"`seed` must be > 0 and <= {UINT64_MAX}. Given: {{v}}", gt=0, le=UINT64_MAX)
+        Integer | None, in_range(f"`seed` must be > 0 and <= {UINT64_MAX}. Given: {{v}}", gt=0, le=UINT64_MAX)
     ] = None
     repetition_penalty: Annotated[
         float | None, in_range("`repetition_penalty` must be strictly positive. Given: {v}", gt=0.0)
     ] = None
-    max_new_tokens: Annotated[int | None, in_range("`max_new_tokens` must be strictly positive. Given: {v}", gt=0)] = None
+    max_new_tokens: Annotated[
+        Integer | None, in_range("`max_new_tokens` must be strictly positive. Given: {v}", gt=0)
+    ] = None
     adapter_id: str | None = Field(None, json_schema_extra={"pattern": ADAPTER_NAME_PATTERN},
                                    description="the LoRA adapter to run with; \"None\": the base model")
 
@@ -95,7 +97,7 @@ def merge_parameters(result: type[P], sources: Sequence[BaseModel], names: Mappi
 class InputParameters(SamplingParameters):
     """``inputs[0].parameters``: sampling parameters, and the binary tensor extension's byte count."""
 
-    binary_data_size: int | None = None
+    binary_data_size: Integer | None = None
 
     @field_validator("binary_data_size")
     @classmethod
@@ -252,7 +254,7 @@ class GenerateParameters(SamplingParameters):
     (TensorRT-LLM's name for ``max_new_tokens``)."""
 
     stop: Annotated[list[str] | str | None, stop_schema(MAX_STOP_ITEMS, MAX_STOP_CHARS)] = None
-    max_tokens: Annotated[int | None, in_range("`max_tokens` must be strictly positive. Given: {v}", gt=0)] = None
+    max_tokens: Annotated[Integer | None, in_range("`max_tokens` must be strictly positive. Given: {v}", gt=0)] = None
 
     @field_validator("stop")
     @classmethod

@@ -34,7 +34,9 @@ MindIE's status, health and metrics routes (GET), each read from the live worker
 - ``/health/timed`` and ``/health/timed-{N}`` (N seconds, 1 to 3600, default 10; anything else is a 422):
   one real one-token generation through the pipeline within N seconds: 200 ``{"status": "healthy"}``, else
   500 ``{"status": "unhealthy", "error"}`` (at once when no worker of the default model is alive). The probe
-  is a request like any other: it counts in the metrics.
+  is a request like any other: it counts in the metrics. Open without an API key (kubelets send none), so
+  bounded: one probe at a time per pod, whose result every caller waiting shares and which answers the calls
+  of the next ``timedHealthCacheSeconds`` (:class:`api.context.TimedHealthProbe`).
 - ``/metrics-json``: :class:`api.mindie_schemas.MetricsJsonResponse`, the means read from the pod's
   histograms (``collect()``), the counts from the workers' reports.
 
@@ -57,8 +59,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.background import BackgroundTask
 
-from api import tgi
-from api.context import ServerContext, get_ctx
+from api import pipeline, tgi
+from api.context import ProbeResult, ServerContext, get_ctx
 from api.errors import ProtocolError, error_route_class
 from api.health import model_states
 from api.inference import InferenceRequest, generate, new_request_id, resolve, submit, tokenize
@@ -379,34 +381,70 @@ TIMED_HEALTH_RESPONSES = {
 
 @router.get("/health/timed", response_model=TimedHealthResponse, responses=TIMED_HEALTH_RESPONSES,
             summary=f"A one-token generation within {DEFAULT_HEALTH_SECONDS} s (MindIE)")
-async def timed_health(ctx: Ctx, http: Request) -> Response:
-    return await _timed_health(ctx, http, DEFAULT_HEALTH_SECONDS)
+async def timed_health(ctx: Ctx) -> Response:
+    return await _timed_health(ctx, DEFAULT_HEALTH_SECONDS)
 
 
 @router.get("/health/timed-{seconds}", response_model=TimedHealthResponse, responses=TIMED_HEALTH_RESPONSES,
             summary="A one-token generation within N seconds (MindIE)")
-async def timed_health_within(seconds: HealthSeconds, ctx: Ctx, http: Request) -> Response:
-    return await _timed_health(ctx, http, seconds)
+async def timed_health_within(seconds: HealthSeconds, ctx: Ctx) -> Response:
+    return await _timed_health(ctx, seconds)
 
 
-async def _timed_health(ctx: ServerContext, http: Request, seconds: int) -> Response:
-    """Generate one token of the default model through the pipeline (queue, a worker, the relay); past
-    ``seconds`` the request is cancelled (:meth:`api.pipeline.Submission.close`) and the answer is 500."""
-    probe = InferenceRequest(request_id=http.state.request_uuid, prompt_field="inputs", text=HEALTH_PROMPT,
-                             max_new_tokens=1)
-    error = await unready_reason(ctx)  # no live worker (or no Redis): unhealthy now, nothing queued
+async def _timed_health(ctx: ServerContext, seconds: int) -> Response:
+    """200 when the probe's token came within ``seconds``, else 500 with why."""
+    result = await _probe_result(ctx, seconds)
+    error = result.error
+    if error is None and result.seconds > seconds:
+        error = f"the probe's token took {result.seconds:.3g} s, more than {seconds} s"
     if error is None:
-        try:
-            async with asyncio.timeout(seconds):
-                await generate(ctx, TGI, await resolve(ctx, TGI, probe), http)
-        except TimeoutError:
-            error = f"no token within {seconds} s"
-        except ProtocolError as exc:
-            error = exc.message
-        else:
-            return JSONResponse(TimedHealthResponse(status="healthy").model_dump(exclude_none=True))
+        return JSONResponse(TimedHealthResponse(status="healthy").model_dump(exclude_none=True))
     log.warning("timed health check failed: %s", error)
     return JSONResponse(TimedHealthResponse(status="unhealthy", error=error).model_dump(), status_code=500)
+
+
+async def _probe_result(ctx: ServerContext, seconds: int) -> ProbeResult:
+    """The last probe's result while it is fresh (timedHealthCacheSeconds), else the result of the probe running,
+    started when none is, waited for ``seconds`` at most. The probe runs while a caller waits for it: when the
+    last one gives up, it is cancelled (:meth:`api.pipeline.Submission.close`)."""
+    probe = ctx.health_probe
+    loop = asyncio.get_running_loop()
+    if probe.last is not None and loop.time() - probe.last.at < ctx.settings.timed_health_cache_seconds:
+        return probe.last
+    if probe.running is None:
+        probe.running = asyncio.create_task(_probe(ctx), name="timed-health-probe")
+    running = probe.running
+    probe.waiters += 1
+    try:
+        return await asyncio.wait_for(asyncio.shield(running), seconds)
+    except TimeoutError:
+        return ProbeResult(error=f"no token within {seconds} s", seconds=seconds, at=loop.time())
+    finally:
+        probe.waiters -= 1
+        if not probe.waiters and not running.done():
+            probe.running = None  # the next caller starts a new one
+            running.cancel()
+            await asyncio.wait([running])  # its request closed (and counted) before the answer
+
+
+async def _probe(ctx: ServerContext) -> ProbeResult:
+    """Generate one token of the default model through the pipeline (queue, a worker, the relay)."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    try:
+        error = await unready_reason(ctx)  # no live worker (or no Redis): unhealthy now, nothing queued
+        if error is None:
+            request = InferenceRequest(request_id=new_request_id(), prompt_field="inputs", text=HEALTH_PROMPT,
+                                       max_new_tokens=1)
+            try:
+                await pipeline.generate(ctx, await resolve(ctx, TGI, request))
+            except (PipelineError, ProtocolError) as exc:
+                error = exc.message
+        ctx.health_probe.last = ProbeResult(error=error, seconds=loop.time() - started, at=loop.time())
+        return ctx.health_probe.last
+    finally:
+        if ctx.health_probe.running is asyncio.current_task():
+            ctx.health_probe.running = None
 
 
 def _ms(seconds: float | None) -> float | None:

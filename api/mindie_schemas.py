@@ -22,7 +22,7 @@ from api.pipeline import (
     check_token_ids,
     validate_stop,
 )
-from api.ranges import in_range, stop_schema, text_schema
+from api.ranges import Integer, WholeNumbers, in_range, stop_schema, text_schema
 from api.tgi_schemas import (
     UINT32_MAX_PARAM,
     UINT64_MAX,
@@ -71,7 +71,7 @@ class VLLMGenerateRequest(BaseModel):
     prompt: Annotated[str, text_schema(MAX_INPUT_CHARS, "the prompt text")]
     stream: bool | None = None
     max_tokens: Annotated[
-        int | None,
+        Integer | None,
         in_range(f"`max_tokens` must be strictly positive and <= {UINT32_MAX_PARAM}. Given: {{v}}",
                  gt=0, le=UINT32_MAX_PARAM),
     ] = Field(None, description="unset: the server's maxIterTimes; capped at maxIterTimes")
@@ -79,12 +79,12 @@ class VLLMGenerateRequest(BaseModel):
         float | None, in_range("`temperature` must be >= 0 (0 = greedy). Given: {v}", ge=0.0)
     ] = Field(None, description="1.0 when unset (vLLM samples by default); below 1e-5: greedy")
     top_k: Annotated[
-        int | None,
+        Integer | None,
         in_range(TOP_K_RULE, ge=-1, le=UINT32_MAX_PARAM),
     ] = Field(None, json_schema_extra={"not": {"const": 0}}, description="-1 or unset: off")
     top_p: VllmTopP = None
     seed: Annotated[
-        int | None, in_range(f"`seed` must be >= 0 and <= {UINT64_MAX}. Given: {{v}}", ge=0, le=UINT64_MAX)
+        Integer | None, in_range(f"`seed` must be >= 0 and <= {UINT64_MAX}. Given: {{v}}", ge=0, le=UINT64_MAX)
     ] = None
     repetition_penalty: VllmRepetitionPenalty = None
     presence_penalty: UnsupportedPenalty("presence_penalty") = None
@@ -99,8 +99,8 @@ class VLLMGenerateRequest(BaseModel):
     skip_special_tokens: bool | None = Field(
         None, json_schema_extra={"enum": [True, None]}, description="only true: special tokens are never decoded"
     )
-    n: int | None = Field(None, json_schema_extra={"minimum": 1, "maximum": 1}, description="only 1")
-    best_of: int | None = Field(None, json_schema_extra={"minimum": 1, "maximum": 1}, description="only 1")
+    n: Integer | None = Field(None, json_schema_extra={"minimum": 1, "maximum": 1}, description="only 1")
+    best_of: Integer | None = Field(None, json_schema_extra={"minimum": 1, "maximum": 1}, description="only 1")
     use_beam_search: bool | None = Field(None, json_schema_extra={"enum": [False, None]}, description="only false")
 
     _prompt = field_validator("prompt")(staticmethod(lambda v: check_prompt_text("prompt", v)))
@@ -159,12 +159,13 @@ class VLLMGenerateResponse(BaseModel):
 class MindIEParameters(TGIParameters):
     """``parameters`` of ``/infer``: TGI's, plus MindIE's ``priority`` and ``timeout``."""
 
-    priority: Annotated[int | None, in_range("`priority` must be in [1, 5]. Given: {v}", ge=1, le=5)] = Field(
+    priority: Annotated[Integer | None, in_range("`priority` must be in [1, 5]. Given: {v}", ge=1, le=5)] = Field(
         None, description="1 (served first) to 5; default 5. Queued requests of a lower number start first"
     )
     timeout: Annotated[
-        int | None,
-        in_range(f"`timeout` must be in [1, {MAX_TIMEOUT_SECONDS}] seconds. Given: {{v}}", ge=1, le=MAX_TIMEOUT_SECONDS),
+        Integer | None,
+        in_range(f"`timeout` must be in [1, {MAX_TIMEOUT_SECONDS}] seconds. Given: {{v}}",
+                 ge=1, le=MAX_TIMEOUT_SECONDS),
     ] = Field(None, description="seconds: the request's deadline (e2eTimeout and tokenTimeout still apply)")
 
 
@@ -173,10 +174,13 @@ class MindIEInferRequest(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={
         "oneOf": [{"required": ["inputs"]}, {"required": ["input_id"]}],
+        # `return_full_text` needs a text prompt (api.mindie's rule)
+        "if": {"required": ["input_id"]},
+        "then": {"properties": {"parameters": {"properties": {"return_full_text": {"enum": [False, None]}}}}},
     })
 
     inputs: Annotated[str, text_schema(MAX_INPUT_CHARS, "a text prompt (or give `input_id`)")] = None  # type: ignore[assignment]
-    input_id: list[int] = Field(  # type: ignore[assignment]
+    input_id: Annotated[list[int], WholeNumbers] = Field(  # type: ignore[assignment]
         None, json_schema_extra={"items": {"type": "integer", "minimum": 0}, "minItems": 1},
         description="the prompt's token ids (or give `inputs`)",
     )

@@ -333,6 +333,9 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, ctx: Ctx) -> PlainText
     from its folder at the first request for it)."""
     model = _master(ctx, body.master_model)
     name = body.lora_name
+    if not adapters.allowed_folder(ctx.settings, body.lora_path):
+        raise ProtocolError(400, f"The lora adapter `{name}` cannot be loaded: `lora_path` is not in a folder "
+                            "adapters may be loaded from (loraAdapterRoots)", "validation", "lora_path")
     if (why := adapters.folder_refusal(body.lora_path)) is not None:
         raise ProtocolError(400, f"The lora adapter `{name}` cannot be loaded: {why}", "validation", "lora_path")
     if name in ctx.models:

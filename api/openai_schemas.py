@@ -38,7 +38,7 @@ from api.pipeline import (
     validate_stop,
     validate_stop_token_ids,
 )
-from api.ranges import in_range, stop_schema, text_json_schema
+from api.ranges import Integer, WholeNumbers, in_range, stop_schema, text_json_schema
 from common.protocol import ADAPTER_NAME_PATTERN, MediaKind
 
 OPENAI_MAX_STOP = 4  # OpenAI's cap on stop sequences, stricter than the pipeline's
@@ -69,6 +69,7 @@ VllmRepetitionPenalty = Annotated[
 ]
 StopTokenIds = Annotated[
     list[int] | None,
+    WholeNumbers,
     Field(json_schema_extra={"items": {"type": "integer", "minimum": 0}, "maxItems": MAX_STOP_ITEMS}),
     AfterValidator(validate_stop_token_ids),
 ]
@@ -109,17 +110,17 @@ class SamplingRequest(BaseModel):
     })
 
     model: str = Field(description="with one model served, any name (TGI's rule); with several, one of them")
-    max_tokens: Annotated[int | None, in_range("`max_tokens` must be strictly positive. Given: {v}", gt=0)] = None
+    max_tokens: Annotated[Integer | None, in_range("`max_tokens` must be strictly positive. Given: {v}", gt=0)] = None
     temperature: Annotated[
         float | None, in_range("`temperature` must be >= 0 and <= 2 (0 = greedy). Given: {v}", ge=0.0, le=2.0)
     ] = None
     top_p: VllmTopP = None
     n: Annotated[
-        int | None, in_range("`n` must be 1: this server returns one choice per request. Given: {v}", ge=1, le=1)
+        Integer | None, in_range("`n` must be 1: this server returns one choice per request. Given: {v}", ge=1, le=1)
     ] = None
     stop: Annotated[list[str] | str | None, stop_schema(OPENAI_MAX_STOP, MAX_STOP_CHARS)] = None
     seed: Annotated[
-        int | None,
+        Integer | None,
         in_range(f"`seed` must be a 64-bit signed integer, >= {INT64_MIN} and <= {INT64_MAX}. Given: {{v}}",
                  ge=INT64_MIN, le=INT64_MAX),
     ] = None
@@ -132,14 +133,14 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     # vLLM's sampling extras
     top_k: Annotated[
-        int | None, in_range(f"`top_k` must be -1 or 0 (off) or a positive integer <= {INT32_MAX}. Given: {{v}}",
+        Integer | None, in_range(f"`top_k` must be -1 or 0 (off) or a positive integer <= {INT32_MAX}. Given: {{v}}",
                              ge=-1, le=INT32_MAX)
     ] = None
     repetition_penalty: VllmRepetitionPenalty = None
     ignore_eos: bool | None = None
     stop_token_ids: StopTokenIds = None
     min_tokens: Annotated[
-        int | None,
+        Integer | None,
         in_range("`min_tokens` is not supported yet, only 0 (EOS may end the output at any length). Given: {v}",
                  ge=0, le=0),
     ] = None
@@ -176,13 +177,13 @@ class CompletionRequest(SamplingRequest):
     """Body of ``POST /v1/completions``. ``prompt`` is one text, or one list of token ids (a list holding
     one of either is the same prompt); several prompts in one request are not supported."""
 
-    prompt: Annotated[str | list[str] | list[int] | list[list[int]], WithJsonSchema({"anyOf": [
+    prompt: Annotated[str | list[str] | list[int] | list[list[int]], WholeNumbers, WithJsonSchema({"anyOf": [
         PROMPT_TEXT,
         PROMPT_IDS,
         {"type": "array", "items": {"anyOf": [PROMPT_TEXT, PROMPT_IDS]}, "minItems": 1, "maxItems": 1},
     ], "description": "one prompt: a text or token ids, or a list holding one of either"})]
     echo: bool | None = Field(None, json_schema_extra={"enum": [False, None]}, description="only false")
-    best_of: int | None = Field(None, json_schema_extra={"minimum": 1, "maximum": 1}, description="only 1")
+    best_of: Integer | None = Field(None, json_schema_extra={"minimum": 1, "maximum": 1}, description="only 1")
     suffix: str | None = Field(None, json_schema_extra={"maxLength": 0}, description="no insertion mode")
     logprobs: Annotated[int | None, WithJsonSchema({"type": "null", "description": "not supported yet"})] = None
 
@@ -324,10 +325,10 @@ class ChatCompletionRequest(SamplingRequest):
 
     messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
     max_completion_tokens: Annotated[
-        int | None, in_range("`max_completion_tokens` must be strictly positive. Given: {v}", gt=0)
+        Integer | None, in_range("`max_completion_tokens` must be strictly positive. Given: {v}", gt=0)
     ] = None
     logprobs: bool | None = Field(None, json_schema_extra={"enum": [False, None]}, description="only false")
-    top_logprobs: int | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 0}, description="only 0")
+    top_logprobs: Integer | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 0}, description="only 0")
     response_format: ResponseFormat | None = None
     tools: list[Any] | None = Field(None, json_schema_extra=NO_TOOLS, description="no tool calling")
     tool_choice: Annotated[str | dict[str, Any] | None, NO_TOOL_CHOICE] = None

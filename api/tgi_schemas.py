@@ -18,12 +18,13 @@ from api.pipeline import (
     validate_adapter_id,
     validate_stop,
 )
-from api.ranges import in_range, stop_schema, text_schema
+from api.ranges import Integer, in_range, stop_schema, text_schema
 from api.media import MediaSource
 from common.protocol import ADAPTER_NAME_PATTERN, FinishReason, MediaKind
 
 UINT32_MAX_PARAM = 2147483647
 UINT64_MAX = 2**64 - 1
+MAX_TOP_N_TOKENS = 5  # TGI's default --max-top-n-tokens
 
 
 def _null_allowed(schema: dict[str, Any]) -> None:
@@ -40,31 +41,36 @@ class TGIParameters(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
     best_of: Annotated[
-        int | None, in_range("`best_of` != 1 is not supported by this server. Given: {v}", ge=1, le=1)
+        Integer | None, in_range("`best_of` != 1 is not supported by this server. Given: {v}", ge=1, le=1)
     ] = None
     decoder_input_details: bool | None = None
     details: bool | None = None
     do_sample: bool | None = None
     max_new_tokens: Annotated[
-        int | None,
+        Integer | None,
         in_range(f"`max_new_tokens` must be strictly positive and <= {UINT32_MAX_PARAM}. Given: {{v}}",
                  gt=0, le=UINT32_MAX_PARAM),
     ] = None
     repetition_penalty: Annotated[float | None, in_range("`repetition_penalty` must be strictly positive", gt=0.0)] = None
     return_full_text: bool | None = None
     seed: Annotated[
-        int | None, in_range(f"`seed` must be > 0 and <= {UINT64_MAX}. Given: {{v}}", gt=0, le=UINT64_MAX)
+        Integer | None, in_range(f"`seed` must be > 0 and <= {UINT64_MAX}. Given: {{v}}", gt=0, le=UINT64_MAX)
     ] = None
     temperature: Annotated[
         float | None, in_range("`temperature` must be strictly positive (> 1e-06). Given: {v}", gt=1e-6)
     ] = None
     top_k: Annotated[
-        int | None,
-        in_range(f"`top_k` must be strictly positive and <= {UINT32_MAX_PARAM}. Given: {{v}}", gt=0, le=UINT32_MAX_PARAM),
+        Integer | None,
+        in_range(f"`top_k` must be strictly positive and <= {UINT32_MAX_PARAM}. Given: {{v}}",
+                 gt=0, le=UINT32_MAX_PARAM),
     ] = None
+    top_n_tokens: Annotated[
+        Integer | None,
+        in_range(f"`top_n_tokens` must be >= 0 and <= {MAX_TOP_N_TOKENS}. Given: {{v}}", ge=0, le=MAX_TOP_N_TOKENS),
+    ] = Field(None, description="TGI 1.x's alternatives of each token: validated as TGI does, not returned")
     top_p: Annotated[float | None, in_range("`top_p` must be > 1e-06 and < 1.0. Given: {v}", gt=1e-6, lt=1.0)] = None
     truncate: Annotated[
-        int | None,
+        Integer | None,
         in_range(f"`truncate` must be strictly positive and <= {UINT32_MAX_PARAM}. Given: {{v}}",
                  gt=0, le=UINT32_MAX_PARAM),
     ] = None

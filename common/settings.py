@@ -294,6 +294,11 @@ class Settings(BaseSettings):
         "beside its ModelConfig entry's loraModules",
         **_spec("ModelDeployConfig", "loraModules", "LORA_MODULES"),
     )
+    lora_adapter_roots: Annotated[list[Path], NoDecode] = Field(
+        default_factory=list, description="folders POST /v1/load_lora_adapter may load adapters from (comma "
+        "separated), beside the configured loraModules' own folders, which it always may; symlinks and `..` are "
+        "resolved first", **_spec("ModelDeployConfig", "loraAdapterRoots", "LORA_ADAPTER_ROOTS"),
+    )
 
     # Network and security
     redis_url: str = Field(
@@ -348,6 +353,11 @@ class Settings(BaseSettings):
         default_factory=list, description="accepted `Authorization: Bearer` keys; empty: no auth",
         **_spec("ServerConfig", "apiKeys", "API_KEYS"),
     )
+    allow_open_stop_service: bool = Field(
+        False, description="serve GET /stopService to anyone when neither apiKeys nor a managementPort guards it "
+        "(false: refused with 403); a browser's cross-site request is refused whatever this says",
+        **_spec("ServerConfig", "allowOpenStopService", "ALLOW_OPEN_STOP_SERVICE"),
+    )
 
     # Multimodal inputs (SPEC.md "Multimodal input"; README "Multimodal inputs")
     multimodal_input_dir: Path = Field(
@@ -401,6 +411,16 @@ class Settings(BaseSettings):
     token_timeout: float = Field(600.0, gt=0, **_spec("ServerConfig", "tokenTimeout", "TOKEN_TIMEOUT"))
     max_request_length: int = Field(
         40, gt=0, description="MB", **_spec("ServerConfig", "maxRequestLength", "MAX_REQUEST_LENGTH")
+    )
+    max_header_bytes: int = Field(
+        32768, ge=1024, description="bytes a request's header fields may take together, each counted as "
+        "`name: value` and its line end (nginx's default); past it: 431",
+        **_spec("ServerConfig", "maxHeaderBytes", "MAX_HEADER_BYTES"),
+    )
+    timed_health_cache_seconds: float = Field(
+        5.0, ge=0, description="seconds a GET /health/timed probe's result answers further calls (0: none); one "
+        "probe generation runs at a time per pod, its result shared by the callers waiting",
+        **_spec("ServerConfig", "timedHealthCacheSeconds", "TIMED_HEALTH_CACHE_SECONDS"),
     )
     claim_idle_seconds: float = Field(
         30.0, gt=0, **_spec("BackendConfig", "claimIdleSeconds", "CLAIM_IDLE_SECONDS")
@@ -502,6 +522,12 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [key.strip() for key in value.split(",") if key.strip()]
         return value
+
+    @field_validator("lora_adapter_roots", mode="before")
+    @classmethod
+    def _split_roots(cls, value: Any) -> Any:
+        """LORA_ADAPTER_ROOTS is comma separated; the config file may give a list."""
+        return [root.strip() for root in value.split(",") if root.strip()] if isinstance(value, str) else value
 
     @field_validator("allowed_media_domains", mode="before")
     @classmethod

@@ -9,16 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import fakeredis
 import httpx
 import pytest
 import torch
+from fastapi.testclient import TestClient
 from openai import OpenAI
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from api.adapters import allowed_folder
+from api.app import create_app
+from common.settings import Settings, load_settings
 from tests.conftest import Stack, start_stack, stop_stack
 from tests.sse import sse_data
 from tests.test_engine_contract import VLLM_ARGS, VLLM_ENV, require_vllm
@@ -62,7 +68,7 @@ def reference(tiny_model_path: Path) -> Reference:
 @pytest.fixture(scope="module")
 def lora_stack(redis_url: str, tiny_model_path: Path, adapters: dict[str, Path],
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    env = {"LORA_MODULES": json.dumps({"a": str(adapters["a"])})}
+    env = {"LORA_MODULES": json.dumps({"a": str(adapters["a"])}), "LORA_ADAPTER_ROOTS": str(adapters["b"].parent)}
     running = start_stack(redis_url, tiny_model_path, tmp_path_factory.mktemp("lora-stack"), env, workers=2)
     yield running
     stop_stack(running)
@@ -134,8 +140,9 @@ def test_unknown_adapters_are_refused_in_each_protocol(lora_stack: Stack, route:
 
 
 @pytest.mark.parametrize(("body", "status", "fragment"), [
-    ({"lora_name": "c", "lora_path": "/nonexistent"}, 400, "/nonexistent is not a folder"),
-    ({"lora_name": "c", "lora_path": "{model_path}"}, 400, "adapter_config.json cannot be read"),
+    ({"lora_name": "c", "lora_path": "{adapter}/../nonexistent"}, 400, "/nonexistent is not a folder"),
+    ({"lora_name": "c", "lora_path": "{adapter}/.."}, 400, "adapter_config.json cannot be read"),
+    ({"lora_name": "c", "lora_path": "{model_path}"}, 400, "`lora_path` is not in a folder adapters may be loaded"),
     ({"lora_name": "a", "lora_path": "{adapter}"}, 400, "The lora adapter `a` has already been loaded."),
     ({"lora_name": "bad name", "lora_path": "{adapter}"}, 400, "lora_name"),
     ({"lora_name": "c", "lora_path": "{adapter}", "master_model": "other"}, 404, "The model `other` does not exist"),
@@ -146,6 +153,30 @@ def test_load_refusals(lora_stack: Stack, adapters: dict[str, Path], tiny_model_
     body = {key: value.format(model_path=tiny_model_path, adapter=adapters["b"]) for key, value in body.items()}
     resp = post(lora_stack, "/v1/load_lora_adapter", body)
     assert resp.status_code == status and fragment in resp.json()["error"]["message"], resp.text
+
+
+def test_adapters_load_only_from_the_allowed_folders(tiny_model_path: Path, adapters: dict[str, Path],
+                                                     tmp_path: Path) -> None:
+    """loraAdapterRoots and the configured adapters' own folders; any other path, existing or not, reached by a
+    symlink or ``..`` or not, gets one refusal naming no path."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    shutil.copytree(adapters["b"], root / "b")
+    shutil.copytree(adapters["b"], outside)  # a real adapter, outside every allowed folder
+    (root / "escape").symlink_to(outside)
+    settings = Settings(model_path=tiny_model_path, lora_modules={"a": str(adapters["a"])}, lora_adapter_roots=[root])
+    refusal = "The lora adapter `x` cannot be loaded: `lora_path` is not in a folder adapters may be loaded from"
+    with TestClient(create_app(settings, redis=fakeredis.FakeAsyncRedis())) as client:
+        for path in (outside, tmp_path / "missing", "/etc", root / "escape", f"{root}/b/../../outside", "a\x00b"):
+            resp = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(path)})
+            assert resp.status_code == 400 and resp.json()["error"]["message"] == refusal + " (loraAdapterRoots)"
+        inside = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(root / "nope")})
+        assert inside.status_code == 400 and "is not a folder" in inside.json()["error"]["message"]
+        for name, path in (("b", root / "b"), ("again", adapters["a"])):
+            resp = client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+            assert resp.status_code == 200, resp.text
+    default = Settings(model_path=tiny_model_path, lora_modules={"a": str(adapters["a"])})
+    assert not allowed_folder(default, str(root / "b")) and allowed_folder(default, str(adapters["a"]))
+    assert load_settings(lora_adapter_roots=f"{root}, {outside}").lora_adapter_roots == [root, outside]
 
 
 def test_unload_of_an_unknown_adapter_is_404(lora_stack: Stack) -> None:
@@ -194,7 +225,7 @@ def test_the_vllm_engine_serves_the_same_adapter(redis_url: str, tiny_model_path
     """The vllm engine (vLLM's LoRA requests) answers an adapter's request as the built-in engine does."""
     require_vllm()
     env = {"ENGINE": "vllm", "VLLM_ENGINE_ARGS": json.dumps(VLLM_ARGS), **VLLM_ENV,
-           "LORA_MODULES": json.dumps({"a": str(adapters["a"])})}
+           "LORA_MODULES": json.dumps({"a": str(adapters["a"])}), "LORA_ADAPTER_ROOTS": str(adapters["b"].parent)}
     vllm = start_stack(redis_url, tiny_model_path, tmp_path_factory.mktemp("lora-vllm"), env)
     try:
         for adapter in ("a", "None"):

@@ -108,6 +108,24 @@ def test_stop_service_refuses_new_requests_in_each_format_then_stops_the_server(
     assert test_client.get("/v1/config").status_code == 200  # not an inference request
 
 
+def test_stop_service_is_refused_where_nothing_guards_it_and_to_web_pages(tiny_model_path: Path) -> None:
+    """With no API key and no management port anyone, a web page's ``<img>`` included, could stop the pod with a
+    GET: refused unless allowOpenStopService; a browser's cross-site request is refused even then."""
+    app, stops = _app(Settings(model_path=tiny_model_path, model_name="m"))
+    with TestClient(app) as test_client:
+        refused = test_client.get("/stopService")
+        assert refused.status_code == 403 and set(refused.json()) == TGI_ERROR_KEYS
+        assert "allowOpenStopService" in refused.json()["error"] and not app.state.ctx.drain.stopping
+    app, stops = _app(Settings(model_path=tiny_model_path, model_name="m", allow_open_stop_service=True))
+    with TestClient(app) as test_client:
+        for site in ("cross-site", "same-site"):
+            page = test_client.get("/stopService", headers={"Sec-Fetch-Site": site, "Sec-Fetch-Dest": "image"})
+            assert page.status_code == 403 and "web page" in page.json()["error"]
+        assert not app.state.ctx.drain.stopping
+        assert test_client.get("/stopService", headers={"Sec-Fetch-Site": "none"}).json() == {"status": "stopping"}
+        _wait(lambda: stops == [False])
+
+
 def test_config_refuses_a_management_address_without_a_port_of_its_own() -> None:
     with pytest.raises(ConfigError, match="managementIpAddress needs"):
         load_settings(management_host="127.0.0.2")
@@ -149,7 +167,7 @@ def test_each_port_serves_its_planes(tiny_model_path: Path) -> None:
 def test_stop_service_drains_a_real_pod(redis_url: str, tiny_model_path: Path, tmp_path: Path) -> None:
     """A stream in flight when stopService comes runs to its end, a new request is a 503, then the API process
     exits by itself (0: stopped as SIGTERM stops it, without the signal)."""
-    stack = start_stack(redis_url, tiny_model_path, tmp_path)
+    stack = start_stack(redis_url, tiny_model_path, tmp_path, {"ALLOW_OPEN_STOP_SERVICE": "true"})
     api = stack.processes[-1]
     try:
         body = {"model": stack.model_name, "prompt": "def main(", "max_tokens": 300, "ignore_eos": True,

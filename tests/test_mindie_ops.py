@@ -4,8 +4,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import fakeredis
@@ -14,10 +16,13 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from api.context import ServerContext
+from api.pipeline import GenerationRequest
 from common import keys
 from common.protocol import Finish, WorkerStatus
 from common.settings import ModelEntry, Settings
 from tests.conftest import Stack
+from tests.fakes import FakeSubmission, one_token_submit, patch_submit
 from tests.test_metrics import sample, scrape
 
 TGI_ERROR_KEYS = {"error", "error_type"}
@@ -143,6 +148,38 @@ def test_timed_health_fails_when_no_token_comes_in_time(
     text = client.get("/metrics").text
     assert sample(text, "request_received_total", model_name="first") == 1
     assert sample(text, "request_failed_total", model_name="first") == 1
+
+
+def test_timed_health_runs_one_probe_at_a_time(two_models: tuple[TestClient, fakeredis.FakeServer]) -> None:
+    """Callers at once (kubelets send no API key: anyone may call it) wait for one probe generation, not one each."""
+    client, server = two_models
+    _with_workers(server, "first", {"cpu:hung:1": None})  # takes no job: the probe runs until the callers give up
+    with ThreadPoolExecutor(20) as pool:
+        answers = list(pool.map(lambda _: client.get("/health/timed-1"), range(20)))
+    assert {(answer.status_code, answer.json()["error"]) for answer in answers} == {(500, "no token within 1 s")}
+    text = client.get("/metrics").text
+    assert sample(text, "request_received_total", model_name="first") == 1
+    assert sample(text, "request_failed_total", model_name="first") == 1  # cancelled with its last caller
+
+
+def test_timed_health_answers_from_the_last_probe_for_a_while(
+    two_models: tuple[TestClient, fakeredis.FakeServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client, server = two_models
+    _with_workers(server, "first", {"cpu:a:1": None})
+    probes: list[GenerationRequest] = []
+
+    async def answer(ctx: ServerContext, request: GenerationRequest) -> FakeSubmission:
+        probes.append(request)
+        return await one_token_submit(ctx, request)
+
+    patch_submit(monkeypatch, answer)
+    for path in ("/health/timed", "/health/timed-3", "/health/timed"):
+        assert client.get(path).json() == {"status": "healthy"}
+    assert len(probes) == 1  # within timedHealthCacheSeconds (5 s) of the first
+    probe = client.app.state.ctx.health_probe
+    probe.last = dataclasses.replace(probe.last, at=probe.last.at - 5)
+    assert client.get("/health/timed").json() == {"status": "healthy"} and len(probes) == 2
 
 
 def test_both_metric_families_are_updated_by_the_same_calls(

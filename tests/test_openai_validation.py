@@ -202,7 +202,7 @@ SHARED_RULES = [
     ("stop", "\ud800", "stop", "`stop` must be valid Unicode text"),
     ("seed", 2**63, "seed", "`seed` must be a 64-bit signed integer"),
     ("seed", -(2**63) - 1, "seed", "`seed` must be a 64-bit signed integer"),
-    ("seed", 1.0, "seed", "`seed`: Input should be a valid integer"),
+    ("seed", 1.5, "seed", "`seed`: Input should be a valid integer"),
     ("presence_penalty", 0.5, "presence_penalty", "`presence_penalty` is not supported, only 0"),
     ("presence_penalty", -2, "presence_penalty", "repetition_penalty is a different"),
     ("frequency_penalty", 1.0, "frequency_penalty", "`frequency_penalty` is not supported, only 0"),

@@ -10,15 +10,17 @@ the health routes answer 200 and requests are taken.
 
 from __future__ import annotations
 
-import re
+import json
 import time
 from collections.abc import Iterator
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import fakeredis
 import pytest
 import schemathesis
+from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.python import asgi
@@ -37,7 +39,7 @@ from tests.fakes import one_token_submit, patch_submit
 
 # Refusals a schema-valid request may still get, for rules the document states in words only: limits of the
 # served model (its vocabulary, its context length), which one document for every model cannot give as
-# numbers; rules JSON Schema cannot express (two fields that must be equal; and see schema_valid_accepted);
+# numbers; rules JSON Schema cannot express (two fields that must be equal);
 # and /generate_stream's one rule on the body it shares with /generate. Any other refusal of a schema-valid
 # request fails the test.
 UNSTATED_RULES = (
@@ -51,35 +53,9 @@ UNSTATED_RULES = (
 )
 
 
-FLOAT_EXACT = 2**53
-NUMBERS = re.compile(r"-?\d{16,}")
-
-
-def _rounded_past_bound(message: str) -> bool:
-    """A refusal of a value past a bound beyond 2^53 that only float rounding puts inside it: the generator
-    compares integers with such bounds as floats (seed's 2^64-1 lets 18446744073709551999 through)."""
-    *bounds, given = [int(n) for n in NUMBERS.findall(message)] or [0]
-    return any(abs(b) > FLOAT_EXACT and float(b) == float(given) and b != given for b in bounds)
-
-
-def _integral_float(value: Any) -> bool:
-    """Whether the JSON value holds a float with no fraction (1.0), somewhere."""
-    if isinstance(value, dict):
-        return any(_integral_float(item) for item in value.values())
-    if isinstance(value, list):
-        return any(_integral_float(item) for item in value)
-    return isinstance(value, float) and value.is_integer()
-
-
 def schema_valid_accepted(ctx: Any, response: Any, case: schemathesis.Case) -> bool | None:
-    """schemathesis' positive_data_acceptance, except for the refusals of :data:`UNSTATED_RULES`, of values
-    the generator rounded past a bound, and of bodies holding an integer written as 1.0 (JSON Schema's
-    "integer" admits it; the routes take integers in integer notation, as TGI's serde does)."""
-    if response.status_code < 500 and (
-        any(rule in response.text for rule in UNSTATED_RULES)
-        or _rounded_past_bound(response.text)
-        or _integral_float(case.body)
-    ):
+    """schemathesis' positive_data_acceptance, except for the refusals of :data:`UNSTATED_RULES`."""
+    if response.status_code < 500 and any(rule in response.text for rule in UNSTATED_RULES):
         return None
     return positive_data_acceptance(ctx, response, case)
 
@@ -112,6 +88,30 @@ def session(tiny_model_path: Path) -> Iterator[asgi.ASGIClient]:
         patch_submit(patcher, one_token_submit)
         with asgi.get_client(app) as client:
             yield client
+
+
+BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _bounds(node: Any) -> Iterator[tuple[str, Any]]:
+    """Each numeric bound of a JSON schema document, as (keyword, value)."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from [(key, value)] if key in BOUNDS and not isinstance(value, dict) else _bounds(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from _bounds(item)
+
+
+def test_whole_bounds_are_written_as_integers() -> None:
+    """The served document's bounds read as the server's: a float's JSON text (1.8446744073709552e+19) is a
+    decimal past the largest seed taken (2^64 - 1), which a generator or client then sends."""
+    served = TestClient(create_app(Settings())).get("/openapi.json")  # no lifespan: the document needs no model
+    document = json.loads(served.text, parse_float=Decimal)
+    bounds = list(_bounds(document))
+    assert bounds and not [(key, value) for key, value in bounds if isinstance(value, Decimal) and value % 1 == 0]
+    seed = document["components"]["schemas"]["TGIParameters"]["properties"]["seed"]["anyOf"][0]
+    assert seed["exclusiveMaximum"] == 2**64 and seed["exclusiveMinimum"] == 0
 
 
 @SCHEMA.parametrize()

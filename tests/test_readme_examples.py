@@ -162,7 +162,8 @@ def readme_stack(redis_url: str, tiny_model_path: Path, tmp_path_factory: pytest
     log_dir = tmp_path_factory.mktemp("stack-readme")
     template = log_dir / "chat_template.jinja"
     template.write_text(CHAT_TEMPLATE)
-    running = start_stack(redis_url, tiny_model_path, log_dir, {"CHAT_TEMPLATE": str(template)})
+    running = start_stack(redis_url, tiny_model_path, log_dir,
+                          {"CHAT_TEMPLATE": str(template), "LORA_ADAPTER_ROOTS": str(log_dir)})  # README_ADAPTER's
     running.env[README_ADAPTER] = str(make_tiny_lora(tiny_model_path, log_dir / "tiny-lora"))
     yield running
     stop_stack(running)

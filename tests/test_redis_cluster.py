@@ -38,7 +38,8 @@ def three_masters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreeMas
 @pytest.fixture(scope="module")
 def cluster_stack(three_masters: ThreeMasters, tiny_model_path: Path,
                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    env = {"REDIS_CLUSTER": "true", "CLAIM_IDLE_SECONDS": "2", "MAX_ITER_TIMES": "2000"}
+    env = {"REDIS_CLUSTER": "true", "CLAIM_IDLE_SECONDS": "2", "MAX_ITER_TIMES": "2000",
+           "LORA_ADAPTER_ROOTS": str(tmp_path_factory.getbasetemp())}  # the tests' adapters (stack_checks)
     running = start_stack(three_masters.url, tiny_model_path, tmp_path_factory.mktemp("cluster-stack"), env, workers=2)
     yield running
     stop_stack(running)

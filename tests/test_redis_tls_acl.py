@@ -81,7 +81,8 @@ def secure_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureRed
 @pytest.fixture(scope="module")
 def secure_stack(secure_redis: SecureRedis, tiny_model_path: Path,
                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    running = start_stack(secure_redis.url, tiny_model_path, tmp_path_factory.mktemp("secure-stack"), secure_redis.env)
+    env = {**secure_redis.env, "LORA_ADAPTER_ROOTS": str(tmp_path_factory.getbasetemp())}  # the tests' adapters
+    running = start_stack(secure_redis.url, tiny_model_path, tmp_path_factory.mktemp("secure-stack"), env)
     yield running
     for proc in running.processes:  # (stop_stack's clean-up needs a plain client: the keys go with the server)
         proc.terminate()

@@ -447,6 +447,19 @@ def test_body_over_max_request_length_is_413(small_body_client: TestClient, stan
         assert_protocol_error(response, protocol, {413})
 
 
+@pytest.mark.parametrize("headers", [{"x-big": "a" * 1024 * 1024}, {f"x-h{i}": "a" * 10_000 for i in range(100)}],
+                         ids=["one-of-1MB", "100-of-10kB"])
+def test_headers_over_max_header_bytes_are_431(small_body_client: TestClient, stand_in,
+                                               headers: dict[str, str]) -> None:
+    """uvicorn's httptools parser takes headers of any size: the app bounds them (maxHeaderBytes, 32 KB)."""
+    for protocol, path in routes(small_body_client):
+        response = small_body_client.post(path, json={"inputs": "hi"}, headers=headers)
+        assert_protocol_error(response, protocol, {431})
+    openai = small_body_client.get("/v1/models", headers=headers)
+    assert openai.status_code == 431 and openai.json()["error"]["code"] == "headers_too_large"
+    assert small_body_client.get("/v1/models", headers={"x-fine": "a" * 30_000}).status_code == 200
+
+
 def test_wrong_content_type(small_body_client: TestClient, stand_in) -> None:
     """TGI routes and stopInfer require JSON (415, as TGI). KServe routes also take binary tensors, so a body
     they cannot read is their 400, never a 5xx."""

@@ -617,7 +617,7 @@ def test_stream_with_details_only_is_an_sse_stream(client, accept_requests, rout
 
 WRONG_TYPES = {
     "bool": ["true", "false", 1, 0, 1.0, [True], {"v": True}],
-    "int": ["20", 20.0, 1.5, True, [20], {"v": 20}],
+    "int": ["20", 20.5, 1.5, True, [20], {"v": 20}],
     "float": ["0.5", "1e-3", True, [0.5], {"v": 0.5}],
 }
 FIELD_KINDS = {
@@ -660,6 +660,23 @@ async def test_json_integers_are_valid_floats(ctx, value):
     """JSON does not tell 2 from 2.0: an integer is a fine value for a float field (as in TGI's serde)."""
     params = (await resolve(ctx, body_with(repetition_penalty=value, temperature=value * 0.5))).params
     assert params.repetition_penalty == value and params.temperature == value * 0.5
+
+
+def test_whole_floats_are_valid_integers(client, accept_requests):
+    """JSON Schema's "integer" (what /openapi.json declares) admits 590.0: the integer fields take it."""
+    parameters = {"truncate": 590.0, "max_new_tokens": 7.0, "seed": 42.0, "top_k": 3.0, "best_of": 1.0}
+    response = client.post("/generate", json=body_with(**parameters))
+    assert response.status_code == 200, response.text
+    request = accept_requests[0]
+    assert (request.params.max_new_tokens, request.params.seed, request.params.top_k) == (7, 42, 3)
+    assert all(type(value) is int for value in (request.params.seed, request.params.top_k))
+
+
+@pytest.mark.parametrize("value", [-1, 6, 2**40])
+def test_top_n_tokens_out_of_range_rejected(client, value):
+    """TGI 1.x's rule (its default --max-top-n-tokens 5); the value has no effect here (README)."""
+    assert_validation_error(client.post("/", json=body_with(top_n_tokens=value)), "top_n_tokens",
+                            f"`top_n_tokens` must be >= 0 and <= 5. Given: {value}")
 
 
 @pytest.mark.parametrize("route", ROUTES)
