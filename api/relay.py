@@ -1,8 +1,8 @@
 """Relays workers' per-request pub/sub events to the HTTP handlers of this API pod.
 
-On one Redis server the pod holds ONE pattern subscription (``ferry:events:{<api_id>}:*``) made at start-up,
-instead of a subscription (and a connection) per request: it is subscribed to every request channel of its own
-before any job is queued, and thousands of concurrent streams cost one Redis connection.
+On one Redis server the pod holds ONE pattern subscription (``ferry:events:{<api_id>}:<generation>:*``) made at
+start-up, instead of a subscription (and a connection) per request: it is subscribed to every request channel of
+its own before any job is queued, and thousands of concurrent streams cost one Redis connection.
 
 A Redis Cluster has no pattern subscriptions for sharded pub/sub, so there (``sharded``) the pod holds one
 connection to the shard that owns its channels (they share the pod's hash tag, :mod:`common.keys`) and
@@ -13,7 +13,10 @@ is gone (the worker then drops the request).
 When the subscription's connection breaks, or the cluster moves the pod's slot to another shard (which ends
 its subscriptions), events published meanwhile are lost, so every request waiting at that moment is failed at
 once with an ``unavailable`` error (never left hanging), and the subscription is made again with exponential
-backoff (on the slot's current owner); requests queued after that are served normally.
+backoff (on the slot's current owner); requests queued after that are served normally. The new subscription is
+of the next generation (:func:`common.keys.events_channel`): the channels of the requests failed then have no
+subscriber any more, so a worker that still runs one drops it at its next token instead of computing it for
+nobody (the pod's cancel cannot reach Redis while it is cut off).
 """
 
 from __future__ import annotations
@@ -60,9 +63,12 @@ class EventRelay:
         self._pubsub: PubSub | None = None  # sharded: the connection to the shard of the pod's channels
         self._confirmations: dict[str, asyncio.Future[None]] = {}  # sharded: SSUBSCRIBEs Redis has not confirmed
         self._unsubscribing: set[asyncio.Task[None]] = set()
+        # The pattern subscription's: one more each time the pod subscribes (sharded: each request's channel is
+        # subscribed on its own, and the subscriptions of the requests failed when the connection broke end with it).
+        self._generation = 0
 
     def channel(self, request_id: str) -> str:
-        return keys.events_channel(self._api_id, request_id)
+        return keys.events_channel(self._api_id, self._generation, request_id)
 
     @property
     def in_flight(self) -> int:
@@ -148,7 +154,8 @@ class EventRelay:
                     self._pubsub = pubsub
                 else:
                     pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
-                    await pubsub.psubscribe(keys.events_pattern(self._api_id))
+                    self._generation += 1
+                    await pubsub.psubscribe(keys.events_pattern(self._api_id, self._generation))
                 self._subscribed.set()
                 delay = RECONNECT_FIRST_DELAY
                 await self._dispatch(pubsub)

@@ -43,7 +43,7 @@ from tests.conftest import free_port  # noqa: E402
 
 TOKEN_EVENT = TokenEvent(index=57, token=TokenInfo(id=12345, text=" token", logprob=-1.2345678, special=False))
 JOB = Job(request_id="0123456789abcdef0123456789abcdef.0123456789ab", model="llama-8b",
-          reply_channel=keys.events_channel("0123456789ab", "0123456789abcdef0123456789abcdef.0123456789ab"),
+          reply_channel=keys.events_channel("0123456789ab", 1, "0123456789abcdef0123456789abcdef.0123456789ab"),
           input_ids=list(range(20000, 20512)), params=SamplingParams(seed=2**63, max_new_tokens=256),
           enqueued_at=time.time(), deadline=time.time() + 60)
 
@@ -70,7 +70,7 @@ def redis_server() -> Iterator[int]:
 
 
 def pod_channel(pod: int, stream: int) -> str:
-    return keys.events_channel(f"pod{pod:04d}", f"{stream:032x}.0123456789ab")
+    return keys.events_channel(f"pod{pod:04d}", 1, f"{stream:032x}.0123456789ab")
 
 
 @contextlib.contextmanager
@@ -80,7 +80,7 @@ def subscribers(port: int, pods: int, streams: int | None) -> Iterator[Callable[
     they are all still there (Redis drops a subscriber that falls behind by its output buffer limit, and a
     publish that reaches nobody is cheaper: such a measurement is not reported)."""
     if streams is None:
-        argvs = [["psubscribe", keys.events_pattern(f"pod{i:04d}")] for i in range(pods)]
+        argvs = [["psubscribe", keys.events_pattern(f"pod{i:04d}", 1)] for i in range(pods)]
         count, expected = ["pubsub", "numpat"], pods
     else:
         argvs = [["ssubscribe", *(pod_channel(i, j) for j in range(streams))] for i in range(pods)]
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
         if shutil.which(tool) is None:
             parser.exit(2, f"{tool} is not installed (Debian: redis-server, redis-tools)\n")
     event, job = TOKEN_EVENT.model_dump_json(), JOB.model_dump_json()
-    channel = keys.events_channel("pod0000", JOB.request_id)
+    channel = keys.events_channel("pod0000", 1, JOB.request_id)
     results: dict[str, list[float]] = {}
     with redis_server() as port:
         version = subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout.split()[2]

@@ -72,11 +72,13 @@ class Outbox:
         self._connection: Any = None
         self._unread = 0  # replies waiting on the connection
         self._replies: list[Any] = []  # a cluster's, already read
+        self._commands: list[tuple[Any, ...]] = []  # the last send's, until its replies are read
 
     def send(self, commands: list[tuple[Any, ...]]) -> None:
         """Send ``commands`` (each a command's words) in one write; the replies of the previous send must have
         been read (:meth:`replies`)."""
         assert not self._unread and not self._replies, "the previous send's replies are unread"
+        self._commands = commands
         if isinstance(self._client, redis.RedisCluster):
             pipe = self._client.pipeline(transaction=False)
             for command in commands:
@@ -88,7 +90,7 @@ class Outbox:
         try:
             self._connection.send_packed_command(self._connection.pack_commands(commands))
         except BaseException:
-            self.discard()
+            self._disconnect()
             raise
         self._unread = len(commands)
 
@@ -104,15 +106,22 @@ class Outbox:
                     replies.append(exc)
                 self._unread -= 1
         except BaseException:
-            self.discard()
+            self._disconnect()
             raise
+        self._commands = []
         if errors := [reply for reply in replies if isinstance(reply, ResponseError)]:
             raise errors[0]
         return replies
 
-    def discard(self) -> None:
+    def discard(self) -> list[tuple[Any, ...]]:
         """Forget what was sent and not read (after losing Redis): the connection is closed, a later send opens
-        it again."""
+        it again. Returns the commands of the last send whose replies were not read: they may or may not have
+        run."""
+        commands, self._commands = self._commands, []
+        self._disconnect()
+        return commands
+
+    def _disconnect(self) -> None:
         self._unread, self._replies = 0, []
         if self._connection is not None:
             self._connection.disconnect()

@@ -36,11 +36,13 @@ spread over the shards. A pod's request channels hash by the pod's id, so each p
   input), SET by the API pod before it queues the job (whose :class:`common.protocol.MediaRef` names the key)
   and deleted by that pod when the request ends; its TTL (e2eTimeout + 60 s) removes it if the pod dies first.
   Media never travels inside the job stream entry.
-- ``ferry:events:{<api_id>}:<request_id>``: the per-request pub/sub channel. Each API pod pattern-subscribes
-  to ``ferry:events:{<api_id>}:*`` once at start-up, so it is subscribed to a request's channel before it
-  queues the request's job and no first token can be missed. In a Redis Cluster, where sharded pub/sub has no
-  patterns, the pod SSUBSCRIBEs each request's channel (confirmed) before queueing its job instead
-  (:mod:`api.relay`).
+- ``ferry:events:{<api_id>}:<generation>:<request_id>``: the per-request pub/sub channel. Each API pod
+  pattern-subscribes to ``ferry:events:{<api_id>}:<generation>:*`` when it connects, so it is subscribed to a
+  request's channel before it queues the request's job and no first token can be missed. The generation counts
+  the pod's subscriptions: when one breaks the pod fails every request waiting under it and subscribes anew under
+  the next, so a worker's PUBLISH for a request the pod gave up on reaches no subscriber, whatever reconnects, and
+  the worker drops it. In a Redis Cluster, where sharded pub/sub has no patterns, the pod SSUBSCRIBEs each
+  request's channel (confirmed) before queueing its job instead (:mod:`api.relay`).
 """
 
 from __future__ import annotations
@@ -127,12 +129,13 @@ def media_key(model: str, request_id: str, index: int) -> str:
     return f"{_model(model)}:media:{request_id}:{index}"
 
 
-def events_pattern(api_id: str) -> str:
-    return f"{PREFIX}:events:{{{api_id}}}:*"
+def events_pattern(api_id: str, generation: int | str) -> str:
+    """The channels of one subscription of a pod (``generation`` "*": of all, for tools and tests)."""
+    return f"{PREFIX}:events:{{{api_id}}}:{generation}:*"
 
 
-def events_channel(api_id: str, request_id: str) -> str:
-    return f"{PREFIX}:events:{{{api_id}}}:{request_id}"
+def events_channel(api_id: str, generation: int | str, request_id: str) -> str:
+    return f"{PREFIX}:events:{{{api_id}}}:{generation}:{request_id}"
 
 
 def request_id_of(channel: str) -> str:

@@ -325,7 +325,7 @@ def test_e2e_priority_orders_the_queue_behind_a_full_batch(one_slot_stack: Stack
     first come first served within one (read from the worker's events on Redis, in the order it published)."""
     stack, client = one_slot_stack, redis.Redis.from_url(one_slot_stack.redis_url)
     events = client.pubsub()
-    events.psubscribe(keys.events_pattern("*"))
+    events.psubscribe(keys.events_pattern("*", "*"))
     events.get_message(timeout=1)
 
     def queue_depth() -> int:

@@ -90,7 +90,7 @@ def test_a_model_s_keys_share_one_slot_and_a_pod_s_channels_another() -> None:
              keys.adapters_key(model), keys.media_key(model, "r", 0)]
     assert {key_slot(name.encode()) for name in names} == {key_slot(b"org/llama-7b")}
     assert {keys.model_in_key(stream) for stream in keys.job_streams(model)} == {model}
-    channels = [keys.events_channel("pod1", f"req{i}") for i in range(20)]
+    channels = [keys.events_channel("pod1", 1, f"req{i}") for i in range(20)]
     assert {key_slot(name.encode()) for name in channels} == {key_slot(b"pod1")}
     with pytest.raises(ValueError, match="must not contain braces"):
         Settings(model_path=Path("unused"), model_name="a{b}")

@@ -183,6 +183,36 @@ def run_until(loop: WorkerLoop, condition: Callable[[], bool], limit: int = 200)
     raise AssertionError("condition not reached")
 
 
+def test_a_worker_that_loses_redis_goes_on_with_the_requests_still_its_own(base_engine: TransformersEngine) -> None:
+    """What a worker does when its connection comes back (WorkerLoop.hold, then recover): it sends again the events
+    it could not confirm (the pod relays each index once) and goes on with the requests still its own; one another
+    worker took over meanwhile is dropped here without a word (it runs there), one whose job Redis lost fails."""
+    server = fakeredis.FakeServer()
+    loop = make_loop(base_engine, server, "cpu:host:1")
+    pod = Replies(loop.redis)
+    for request_id in ("kept", "taken", "lost"):
+        queue_job(loop.redis, request_id, max_new_tokens=30)
+    run_until(loop, lambda: loop.engine.batch_size == 3)
+    loop.run_once()
+    loop.hold()  # the connection broke: the last step's events are not confirmed
+    entries = {Job.model_validate_json(fields[keys.JOB_FIELD.encode()]).request_id: message_id
+               for message_id, fields in loop.redis.xrange(STREAM)}
+    loop.redis.xclaim(STREAM, loop.group, "cpu:host:2", 0, [entries["taken"]])
+    loop.redis.xack(STREAM, loop.group, entries["lost"])
+    loop.redis.xdel(STREAM, entries["lost"])
+    loop.connect()
+    assert set(loop._inflight) == {"kept"}
+    run_until(loop, lambda: not loop._inflight)
+    events = pod.drain()
+    kept = events["kept"]
+    assert all(isinstance(event, TokenEvent) for event in kept)
+    assert sorted({event.index for event in kept}) == list(range(30)) and kept[-1].finish is not None
+    assert len(kept) > 30  # the unconfirmed step went twice
+    assert all(isinstance(event, TokenEvent) for event in events["taken"])
+    failure = events["lost"][-1]
+    assert isinstance(failure, ErrorEvent) and failure.error_type == "unavailable"
+
+
 def test_cancel_drops_a_running_request_from_the_batch(base_engine: TransformersEngine) -> None:
     """A client that left (control message ``cancel``): its worker drops the request at the next step, the
     batch shrinks, the job is acknowledged and deleted, and no further event is published for it."""
@@ -627,7 +657,7 @@ class RawEvents:
 
     def __init__(self, client: redis.Redis, request_id: str) -> None:
         self._pubsub = client.pubsub()
-        self._pubsub.psubscribe(keys.events_channel("*", f"{request_id}.*"))
+        self._pubsub.psubscribe(keys.events_channel("*", "*", f"{request_id}.*"))
         self._pubsub.get_message(timeout=1)
         self.events: list[TokenEvent | ErrorEvent] = []
 
@@ -1106,6 +1136,82 @@ def test_redis_restart_fails_in_flight_requests_then_service_resumes(cluster: Cl
     events = SSE(f"{cluster.main_url}/generate_stream", body(16), "redis-2").rest()
     assert tokens_of(events) == [t["id"] for t in reference["details"]["tokens"]]
     wait_for(lambda: cluster.redis.xlen(keys.job_stream(cluster.model)) == 0, 10, "every job to be acknowledged")
+
+
+class Publishes:
+    """Counts what the workers PUBLISH to one request's channels, watched with MONITOR: a subscription would be a
+    receiver, and a worker goes on computing a request whose events someone receives."""
+
+    def __init__(self, url: str, request_id: str) -> None:
+        self._client = redis.Redis.from_url(url)
+        self._monitor = self._client.monitor().__enter__()
+        self._needle = f":{request_id}."
+        self.count = 0
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        try:
+            for command in self._monitor.listen():
+                words = command["command"].split(" ", 2)
+                if words[0] == "PUBLISH" and self._needle in words[1]:
+                    self.count += 1
+        except (redis.ConnectionError, OSError, ValueError):
+            pass  # closed
+
+    def close(self) -> None:
+        self._monitor.connection.disconnect()
+        self._reader.join(5)
+        self._client.close()
+
+
+def test_a_request_the_pod_gave_up_on_is_not_computed_when_redis_comes_back(cluster: Cluster) -> None:
+    """Redis restarts with its data (AOF, a failover, a network blip): the pod fails its stream at once and cannot
+    cancel the job while Redis is away. When everything reconnects the pod subscribes under a new generation, so
+    the worker's next PUBLISH of that job reaches nobody and it drops the job: a handful of tokens, not the 1900
+    the job asked for (before: the pod re-subscribed the same pattern and the job ran to its end)."""
+    cluster.ensure_workers(1)
+    stream = SSE(f"{cluster.main_url}/generate_stream", body(1900), "given-up", timeout=30)
+    stream.read(3)
+    wait_for(lambda: cluster.pending("given-up"), 10, "the job to run")
+    cluster.redis.shutdown(save=True)  # keeps the data: streams, the consumer group, the pending job
+    assert cluster.server.proc is not None
+    cluster.server.proc.wait(10)
+    events = stream.rest()
+    assert events[-1].get("error_type") == "unavailable", events[-1]
+    time.sleep(2)  # the pod's clean-up (the cancel) finds no Redis
+    try:
+        cluster.server.start()
+        assert cluster.job_queued("given-up")  # the data came back
+        publishes = Publishes(cluster.server.url, "given-up")
+        try:
+            wait_for(lambda: not cluster.job_queued("given-up"), 30, "the worker to drop the job nobody waits for")
+            time.sleep(0.5)
+            assert publishes.count < 20, f"{publishes.count} tokens were computed for nobody"
+        finally:
+            publishes.close()
+        assert httpx.post(f"{cluster.main_url}/generate", json=body(3), timeout=30).status_code == 200
+    finally:
+        (cluster.server.workdir / "dump.rdb").unlink(missing_ok=True)  # later restarts come back empty
+
+
+def test_a_worker_keeps_its_requests_through_a_redis_freeze(cluster: Cluster) -> None:
+    """Redis stops answering for 6 s mid-stream (SIGSTOP) and comes back: the worker neither drops nor silently
+    abandons its running request: the stream goes on and ends exactly as an uninterrupted run."""
+    cluster.ensure_workers(1)
+    reference = uninterrupted(cluster, 120)
+    stream = SSE(f"{cluster.main_url}/generate_stream", body(120), "frozen", timeout=60)
+    stream.read(3)
+    assert cluster.server.proc is not None
+    cluster.server.proc.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(6)
+    finally:
+        cluster.server.proc.send_signal(signal.SIGCONT)
+    events = stream.rest()
+    assert "error" not in events[-1], events[-1]
+    assert tokens_of(events) == [t["id"] for t in reference["details"]["tokens"]]
+    assert events[-1]["generated_text"] == reference["generated_text"]
 
 
 # ---------------------------------------------------------------------------- API pods dying

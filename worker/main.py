@@ -13,8 +13,10 @@ docs/reliability.md:
   over after ``claimIdleSeconds`` (XAUTOCLAIM); after ``maxDeliveries`` deliveries a job fails instead;
 - control messages (``cancel`` for a client that left, ``stop`` for stopInfer) reach running and queued
   requests; jobs past their deadline are not started, and running ones are dropped when it passes;
-- a lost Redis connection (or, in a Redis Cluster, a shard of the model's that fails) drops the running batch,
-  telling its clients where their channels' shard still answers, and the loop reconnects with backoff; SIGTERM stops taking jobs, finishes the running batch, then exits.
+- a lost Redis connection (or, in a Redis Cluster, a shard of the model's that fails) pauses the running batch:
+  the loop reconnects with backoff, sends again what it sent and could not confirm, and carries on with the
+  requests whose jobs are still its own (those another worker took over meanwhile are its now; those Redis lost
+  are failed); SIGTERM stops taking jobs, finishes the running batch, then exits.
 """
 
 from __future__ import annotations
@@ -117,6 +119,10 @@ class WorkerLoop:
         self._control: PubSub | None = None
         self._outbox = Outbox(redis)  # each step's events and acknowledgements
         self._sent: list[StepOutput] = []  # the step whose events are in the outbox
+        # Commands not confirmed sent, kept while Redis is lost and sent again on reconnect (a step's events, its
+        # acknowledgements): an event sent twice is relayed once (API pods drop an index they have), an XACK is
+        # idempotent.
+        self._held: list[tuple[Any, ...]] = []
         self._look_due = True  # jobs may be queued that this worker has not looked for
         self._next_look = 0.0  # monotonic
         self._running = True
@@ -144,6 +150,33 @@ class WorkerLoop:
         else:
             self._control.subscribe(keys.control_channel(self.model))
         self._look_due = True  # notices may have been missed meanwhile
+        self.recover()
+
+    def recover(self) -> None:
+        """After a reconnect: send again what was not confirmed sent, then keep the running requests whose jobs are
+        still this worker's, drop those another worker took over meanwhile (they run there now, and their clients
+        get each token once) and fail those whose jobs Redis lost (a restart without persistence)."""
+        if self._held:
+            held, self._held = self._held, []  # the outbox has them now (hold)
+            self._outbox.send(held)
+        inflight = list(self._inflight.items())
+        if not inflight:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for _, (entry, _, _) in inflight:
+            pipe.xpending_range(entry.stream, self.group, entry.message_id, entry.message_id, 1)
+        owners = [pending[0]["consumer"].decode() if pending else None for pending in pipe.execute()]
+        gone = {request_id: owner for (request_id, _), owner in zip(inflight, owners) if owner != self.consumer}
+        for request_id in gone:
+            self.engine.cancel(request_id)
+        lost = [self._inflight[request_id].job for request_id, owner in gone.items() if owner is None]
+        if gone:
+            log.warning("after the reconnect: %d requests were taken over by other workers, %d lost with Redis's data",
+                        len(gone) - len(lost), len(lost))
+        if lost:
+            self.fail(lost, "the request's job was lost with Redis's data; it may be retried", "unavailable")
+        for request_id in gone:
+            del self._inflight[request_id]
 
     def stop(self) -> None:
         """Stop taking jobs; the running batch is finished and acknowledged before :meth:`run` returns."""
@@ -154,7 +187,7 @@ class WorkerLoop:
         delay = RECONNECT_FIRST_DELAY
         connected = False
         try:
-            while self._running or not self.engine.idle:
+            while self._running or not self.engine.idle or self._preparing:
                 try:
                     if not connected:
                         self.connect()
@@ -163,9 +196,15 @@ class WorkerLoop:
                 except (*LOST_REDIS, ResponseError) as exc:
                     if not isinstance(exc, LOST_REDIS) and "NOGROUP" not in str(exc):
                         raise
-                    log.warning("lost Redis (%s); dropping %d running requests, retrying in %.1f s",
-                                exc, len(self._inflight), delay)
-                    self.drop_all(exc)
+                    if self._running:
+                        log.warning("lost Redis (%s); holding %d running requests, retrying in %.1f s",
+                                    exc, len(self._inflight), delay)
+                        self.hold()
+                    else:  # stopping: other workers take the jobs over
+                        log.warning("lost Redis (%s) while stopping; leaving %d running requests to other workers",
+                                    exc, len(self._inflight))
+                        self.drop_all(exc)
+                        break
                     connected = False
                     time.sleep(delay)
                     delay = min(delay * 2, RECONNECT_MAX_DELAY)
@@ -462,7 +501,9 @@ class WorkerLoop:
         finished = [self._inflight.pop(out.job.request_id).entry for out in outputs
                     if out.finished and out.job.request_id in self._inflight]
         commands += self._ack_commands(finished)
+        self._held = commands  # until the outbox has them (hold)
         self.settle()  # the previous step's events go out first
+        self._held = []
         self._outbox.send(commands)
         self._sent = outputs
         self.apply_controls()  # the notices of jobs queued during the step
@@ -508,11 +549,17 @@ class WorkerLoop:
         return [command for stream, ids in by_stream(entries).items()
                 for command in (("XACK", stream, self.group, *ids), ("XDEL", stream, *ids))]
 
-    def drop_all(self, cause: Exception) -> None:
-        """Forget every running request after losing Redis. On one server their pods' relays lost it too and
-        answered them; in a cluster the shard of their channels may still be up, so they are told there."""
-        self._outbox.discard()  # its replies, if any come, are about requests dropped here
+    def hold(self) -> None:
+        """Keep every running request after losing Redis, with the commands sent and not confirmed and those not
+        sent yet, for :meth:`recover`."""
+        self._held = self._outbox.discard() + self._held
         self._sent = []
+
+    def drop_all(self, cause: Exception) -> None:
+        """Forget every running request after losing Redis while stopping. On one server their pods' relays lost it
+        too and answered them; in a cluster the shard of their channels may still be up, so they are told there."""
+        self._outbox.discard()  # its replies, if any come, are about requests dropped here
+        self._sent, self._held = [], []
         jobs = [running.job for running in self._inflight.values()]
         for job in jobs:
             self.engine.cancel(job.request_id)
