@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import ssl
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -14,7 +16,13 @@ from api.app import create_app
 from common.logs import configure_logging
 from common.model_files import ModelUnavailable, model_file
 from common.process import command_parser, freeze_startup_heap
+from common.protocol import ErrorEvent
 from common.settings import Settings, settings_or_exit
+
+
+SHUTDOWN_MARGIN_SECONDS = 5.0
+"""What a graceful shutdown gives requests past shutdownGraceSeconds, for the error that ends them to be written:
+more than a stream's :data:`api.sse.SHUTDOWN_WRITE_SECONDS`."""
 
 
 def tls_options(settings: Settings) -> dict[str, Any]:
@@ -42,11 +50,25 @@ def check_models(settings: Settings, prog: str) -> None:
 class PodServer(uvicorn.Server):
     """uvicorn's server on the pod's listening sockets: the business port, and the management and metrics
     ports when they are set apart (one server, one app, several sockets; :class:`api.admin.PlaneMiddleware`
-    tells the ports apart). With one listener it binds as uvicorn does."""
+    tells the ports apart). With one listener it binds as uvicorn does.
 
-    def __init__(self, config: uvicorn.Config, listeners: list[uvicorn.Config]) -> None:
+    Its graceful shutdown gives the requests still open ``grace`` seconds (shutdownGraceSeconds), then calls
+    ``cut``, which ends each of them with an error in its protocol's format, so that no client takes a stream cut
+    at shutdown for a complete one; uvicorn's own timeout, a little later, is for what is left."""
+
+    def __init__(self, config: uvicorn.Config, listeners: list[uvicorn.Config], grace: float,
+                 cut: Callable[[], None]) -> None:
         super().__init__(config)
         self.listeners = listeners
+        self.grace = grace
+        self.cut = cut
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        cutting = asyncio.get_running_loop().call_later(self.grace, self.cut)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            cutting.cancel()
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         if sockets is None and self.listeners:
@@ -70,14 +92,18 @@ def api_server(settings: Settings, prog: str) -> uvicorn.Server:
     freeze_startup_heap()
     options: dict[str, Any] = dict(
         log_config=None,  # uvicorn's records go through configure_logging's handler (LOG_FORMAT)
-        # Open streams get shutdownGraceSeconds to finish (api/sse.py), then a little for the rest.
-        timeout_graceful_shutdown=settings.shutdown_grace_seconds + 5,
+        # Open requests get shutdownGraceSeconds to finish (PodServer), then a little for the rest.
+        timeout_graceful_shutdown=settings.shutdown_grace_seconds + SHUTDOWN_MARGIN_SECONDS,
         **tls_options(settings),
     )
     config = uvicorn.Config(app, host=settings.host, port=settings.port, **options)
     addresses = list(settings.listeners)
     listeners = [uvicorn.Config(app, host=host, port=port, **options) for host, port in addresses]
-    server = PodServer(config, listeners if len(listeners) > 1 else [])
+    grace = settings.shutdown_grace_seconds
+    cut = ErrorEvent(message=f"the server shut down before the request finished (shutdownGraceSeconds {grace:g} s); "
+                             "it may be retried on another server", error_type="stopping")
+    server = PodServer(config, listeners if len(listeners) > 1 else [], grace,
+                       lambda: app.state.ctx.relay.interrupt(cut))
     app.state.stop_server = server.stop
     return server
 

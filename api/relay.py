@@ -39,7 +39,7 @@ SUBSCRIBE_TIMEOUT_SECONDS = 5.0
 _CONNECTION_LOST = ErrorEvent(
     message="lost the connection to Redis while waiting for tokens; the request may be retried",
     error_type="unavailable",
-).model_dump_json().encode()
+)
 
 
 class SubscriptionLost(Exception):
@@ -202,9 +202,15 @@ class EventRelay:
             elif kind == "sunsubscribe" and keys.request_id_of(message["channel"].decode()) in self._queues:
                 raise SubscriptionLost(f"Redis ended the subscription of {message['channel'].decode()}")
 
-    def _fail_waiting(self) -> None:
+    def interrupt(self, event: ErrorEvent) -> None:
+        """End every request waiting for events now with ``event`` (the pod shuts down): each gets it as its next
+        event, after those already here."""
+        payload = event.model_dump_json().encode()
         for queue in self._queues.values():
-            queue.put_nowait(_CONNECTION_LOST)
+            queue.put_nowait(payload)
+
+    def _fail_waiting(self) -> None:
+        self.interrupt(_CONNECTION_LOST)
         for confirmed in self._confirmations.values():
             if not confirmed.done():
                 confirmed.set_exception(RelayUnavailable("lost the shard of this pod's channels"))

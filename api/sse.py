@@ -12,6 +12,9 @@ from common.protocol import TokenEvent
 
 SSE_KEEPALIVE_SECONDS = 15
 MAX_EVENTS_PER_WRITE = 64
+SHUTDOWN_WRITE_SECONDS = 2.0
+"""Past shutdownGraceSeconds, how long a stream has to write the error that ends it (the pod ends its requests then:
+:class:`api.main.PodServer`) before sse-starlette cancels it."""
 
 
 def _frame(payload: str) -> bytes:
@@ -30,8 +33,8 @@ def event_stream(
 
     Events that are already here when one is sent go out with it in one write: a pod that falls behind
     catches up with fewer, larger writes instead of one per token (each write is a system call and a pass
-    through the ASGI stack). On shutdown open streams get ``shutdownGraceSeconds`` to finish before they
-    are cut.
+    through the ASGI stack). On shutdown open streams get ``shutdownGraceSeconds`` to finish; then the pod ends
+    their requests, and each stream's last event is the error that says so.
     """
 
     async def body() -> AsyncIterator[bytes]:
@@ -55,6 +58,6 @@ def event_stream(
         sep="\n",
         ping=SSE_KEEPALIVE_SECONDS,
         headers=dict(headers or {}),
-        shutdown_grace_period=submission.ctx.settings.shutdown_grace_seconds,
+        shutdown_grace_period=submission.ctx.settings.shutdown_grace_seconds + SHUTDOWN_WRITE_SECONDS,
         background=BackgroundTask(submission.close),  # in case the body never ran
     )

@@ -1244,6 +1244,36 @@ def test_api_pod_killed_its_requests_are_dropped_at_once(cluster: Cluster) -> No
     assert httpx.post(f"{cluster.main_url}/generate", json=body(3), timeout=30).status_code == 200
 
 
+def test_streams_cut_at_shutdown_end_with_an_error_event(cluster: Cluster) -> None:
+    """SIGTERM to a pod with shutdownGraceSeconds 2 and streams that need far longer: when the grace runs out each
+    stream's last event is an error (``stopping``), never a clean end that looks complete, a non-stream request gets
+    an error status, and the worker drops their jobs."""
+    cluster.ensure_workers(1)
+    cluster._spawn_pod("short-grace", {"SHUTDOWN_GRACE_SECONDS": "2", "MAX_QUEUE_SIZE": "32"})
+    url = cluster.pod("short-grace")
+    streams = [SSE(f"{url}/generate_stream", body(1900), f"cut-{i}", timeout=30) for i in range(3)]
+    plain: dict[str, httpx.Response] = {}
+    thread = threading.Thread(target=lambda: plain.update(r=httpx.post(
+        f"{url}/generate", json=body(1900), headers={"x-request-id": "cut-plain"}, timeout=30)))
+    thread.start()
+    for stream in streams:
+        stream.read(2)
+    wait_for(lambda: cluster.pending("cut-plain"), 10, "the non-stream request to run")
+    proc, _ = cluster.pods.pop("short-grace")
+    proc.terminate()
+    started = time.monotonic()
+    for stream in streams:
+        events = stream.rest()
+        assert events[-1].get("error_type") == "stopping", events[-1]
+        assert "shutdownGraceSeconds 2" in events[-1]["error"]
+    thread.join(30)
+    assert plain["r"].json()["error_type"] == "stopping", plain["r"].text
+    assert time.monotonic() - started < 2 + 3
+    assert proc.wait(20) in (0, -signal.SIGTERM)
+    ids = ["cut-plain", *(f"cut-{i}" for i in range(3))]
+    wait_for(lambda: not any(cluster.job_queued(request_id) for request_id in ids), 10, "the cut jobs to end")
+
+
 def test_sigterm_api_pod_finishes_open_streams_then_exits(cluster: Cluster) -> None:
     """SIGTERM to the API pod with an open stream: the stream runs to its end (within
     shutdownGraceSeconds) and the process exits 0. Runs last: the pod is gone afterwards."""
