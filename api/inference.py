@@ -20,7 +20,7 @@ from typing import Any
 
 import anyio
 from jinja2 import TemplateError
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.requests import Request
 
 from api import pipeline
@@ -28,7 +28,7 @@ from api.context import ServerContext
 from api.errors import VALIDATION_PREFIX, ProtocolError
 from api.media import MediaData, MediaRefused, MediaSource
 from api.pipeline import GenerationRequest, GenerationResult, PipelineError, Submission
-from common.protocol import DEFAULT_PRIORITY, Priority, SamplingParams
+from common.protocol import DEFAULT_PRIORITY, ParameterError, Priority, SamplingParams
 
 INLINE_TOKENIZE_CHARS = 256  # the tiny model's fast tokenizer: ~140 µs for 200 chars, 1.3 ms for 2048
 DEFAULT_MAX_NEW_TOKENS = 20  # SPEC.md, TGI and KServe routes
@@ -257,7 +257,9 @@ def _check_vocabulary(protocol: Protocol, what: str, field: str, ids: list[int],
 
 
 def _sampling(ctx: ServerContext, protocol: Protocol, request: InferenceRequest) -> SamplingParams:
-    """The sampling fields with every default resolved and the model's and server's limits applied."""
+    """The sampling fields with every default resolved and the model's and server's limits applied; a value
+    the engines cannot compute with (:class:`common.protocol.SamplingParams` says which) is the protocol's
+    validation error, for the field it names."""
     vocab_size, limit = ctx.model.vocab_size, ctx.settings.max_iter_times
     top_k, max_new_tokens = request.top_k, request.max_new_tokens
     if protocol.strict_limits:
@@ -271,19 +273,27 @@ def _sampling(ctx: ServerContext, protocol: Protocol, request: InferenceRequest)
         top_k = ctx.model.default_top_k if protocol.model_default_top_k else 0
     if max_new_tokens is None:
         max_new_tokens = request.default_max_new_tokens or limit
-    return SamplingParams(
-        do_sample=request.do_sample,
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_k=min(top_k, vocab_size),
-        top_p=1.0 if request.top_p is None else request.top_p,
-        typical_p=1.0 if request.typical_p is None else request.typical_p,
-        repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
-        seed=random_seed() if request.seed is None else request.seed,
-        max_new_tokens=min(limit, max_new_tokens),  # SPEC.md: min(maxIterTimes, max_new_tokens)
-        stop=request.stop,
-        stop_token_ids=request.stop_token_ids,
-        ignore_eos=request.ignore_eos,
-    )
+    try:
+        return SamplingParams(
+            do_sample=request.do_sample,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_k=min(top_k, vocab_size),
+            top_p=1.0 if request.top_p is None else request.top_p,
+            typical_p=1.0 if request.typical_p is None else request.typical_p,
+            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+            seed=random_seed() if request.seed is None else request.seed,
+            max_new_tokens=min(limit, max_new_tokens),  # SPEC.md: min(maxIterTimes, max_new_tokens)
+            stop=request.stop,
+            stop_token_ids=request.stop_token_ids,
+            ignore_eos=request.ignore_eos,
+        )
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        cause = error.get("ctx", {}).get("error")
+        if isinstance(cause, ParameterError):
+            raise protocol.invalid(str(cause), cause.field) from None
+        field = ".".join(map(str, error["loc"]))
+        raise protocol.invalid(f"`{field}`: {error['msg']}. Given: {error['input']}", field) from None
 
 
 async def generate(

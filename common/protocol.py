@@ -10,10 +10,11 @@ their own request/response shapes onto these models and nothing else.
 from __future__ import annotations
 
 import math
+import struct
 import time
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
 
@@ -24,12 +25,42 @@ DEFAULT_PRIORITY = PRIORITIES[-1]
 Priority = Annotated[int, Field(ge=PRIORITIES[0], le=PRIORITIES[-1])]
 
 
+FLOAT32_TINY = 2.0**-126  # float32's smallest normal number, 1.1754944e-38
+FLOAT32_MAX = (2.0 - 2.0**-23) * 2.0**127  # float32's largest finite number, 3.4028235e+38
+# The smallest repetition_penalty, and temperature when sampling: the sampler divides logits by both, so a logit
+# grows at most 1e32-fold and any below 3.4e6 stays finite in float32 (a float16 model's are at most 65504, real
+# models' in the tens; one beyond fails its request alone, worker.sampling). Every protocol's documented range
+# above it stays accepted (TGI's temperature starts at 1e-6, the OpenAI routes sample at 1e-5 or above).
+MIN_DIVISOR = 1e-16
+
+
+def as_float32(value: float) -> float:
+    """``value`` as the engines' samplers hold it: rounded to float32, infinite past float32's range."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+class ParameterError(ValueError):
+    """A sampling parameter the engines cannot compute with; ``field`` names it, the message says why."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class SamplingParams(BaseModel):
-    """Per-request generation controls, fully resolved by the API (no "unset" left for the worker)."""
+    """Per-request generation controls, fully resolved by the API (no "unset" left for the worker).
+
+    Each one is what the engines can compute with (:meth:`_computable`): a value that would turn into NaN or
+    inf in a sampler is refused here, where every protocol's request passes, and not in a worker's batch."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
 
     do_sample: bool = False
-    temperature: float = Field(1.0, gt=0.0)
-    top_k: int = Field(0, ge=0, description="0 = off")
+    temperature: float = Field(1.0, gt=0.0, description=f"at least {MIN_DIVISOR:g} when sampling")
+    top_k: int = Field(0, ge=0, lt=2**63, description="0 = off")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="1.0 = off")
     typical_p: float = Field(1.0, gt=0.0, le=1.0, description="1.0 = off")
     repetition_penalty: float = Field(1.0, gt=0.0, description="1.0 = off")
@@ -40,6 +71,33 @@ class SamplingParams(BaseModel):
         default_factory=list, description="token ids that end the request as a stop string does; the token is kept"
     )
     ignore_eos: bool = Field(False, description="go on past the model's EOS tokens (to max_new_tokens)")
+
+    @model_validator(mode="after")
+    def _computable(self) -> SamplingParams:
+        """Refuse what a sampler cannot compute with. Both engines' samplers hold these parameters as float32
+        tensors (:class:`worker.sampling.BatchSampler`'s; vLLM's ``InputBatch``), where a value in range as a
+        Python float can round to 0 or overflow to inf: a repetition_penalty of 5e-324 became 0, ``logits / 0``
+        made NaN and the whole batch failed. Rounding to float32 is monotonic, so a value keeps its closed bounds;
+        it can only lose an open bound at 0 or overflow, hence every float parameter (all are positive) must be a
+        normal float32 (an accelerator may flush a subnormal one to zero). The two divisors of the logits are
+        bounded by :data:`MIN_DIVISOR` besides, so that dividing a logit by them stays finite too."""
+        if self.repetition_penalty < MIN_DIVISOR:
+            raise ParameterError("repetition_penalty", f"`repetition_penalty` must be >= {MIN_DIVISOR:g}: the engines "
+                                 "divide logits by it, and a smaller one overflows them. "
+                                 f"Given: {self.repetition_penalty}")
+        if self.do_sample and self.temperature < MIN_DIVISOR:
+            raise ParameterError("temperature", f"`temperature` must be >= {MIN_DIVISOR:g} when sampling: the engines "
+                                 "divide logits by it, and a smaller one overflows them (with do_sample false the "
+                                 f"request decodes greedily). Given: {self.temperature}")
+        for name, field in type(self).model_fields.items():
+            if field.annotation is float:
+                value = getattr(self, name)
+                single = as_float32(value)
+                if not FLOAT32_TINY <= single <= FLOAT32_MAX:
+                    rule = f"at least {FLOAT32_TINY:.8g}" if single < FLOAT32_TINY else f"at most {FLOAT32_MAX:.8g}"
+                    raise ParameterError(name, f"`{name}` must be {rule}: the engines compute in float32, where it "
+                                               f"would be {single:g}. Given: {value}")
+        return self
 
 
 MediaKind = Literal["image", "video", "audio"]

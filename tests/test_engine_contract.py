@@ -22,7 +22,7 @@ import pytest
 
 from common.protocol import ErrorEvent, Job, SamplingParams, TokenEvent
 from common.settings import Settings
-from worker.engine import Engine, RequestState, StepOutput, load_engine
+from worker.engine import Engine, RequestRefused, RequestState, StepOutput, load_engine
 
 PROMPTS = [
     "def add(a, b):",
@@ -380,6 +380,30 @@ def test_a_request_that_fails_alone(subject: EngineUnderTest, prompts, monkeypat
     events = run(subject.engine, {0: [bad, good]})
     assert len(events[bad.request_id]) == 1 and isinstance(events[bad.request_id][0], ErrorEvent)
     assert token_ids(events[good.request_id]) == subject.references[1].ids
+    assert subject.engine.idle
+
+
+def test_a_request_whose_numbers_go_bad_fails_alone(subject: EngineUnderTest, prompts) -> None:
+    """A repetition_penalty that is 0 in float32 makes NaN (validation refuses it; a job from elsewhere could
+    still bring it): that request, greedy or sampled, ends with an error of its own and the other's tokens are
+    its reference. A temperature vLLM's SamplingParams refuses is refused when the job is added, not in a step.
+    tests/test_batch_isolation.py fuzzes every parameter on the built-in engine."""
+    good = make_job(prompts[1], max_new_tokens=LENGTHS[1])
+    bad = [make_job(prompts[0], max_new_tokens=10, **sampling) for sampling in ({}, {"do_sample": True, "seed": 4})]
+    bad = [job.model_copy(update={"params": job.params.model_copy(update={"repetition_penalty": 1e-46})})
+           for job in bad]
+    events = run(subject.engine, {0: [bad[0], good, bad[1]]})
+    for job in bad:
+        [event] = events[job.request_id]
+        assert isinstance(event, ErrorEvent) and event.error_type == "generation", event
+        assert "NaN or infinite" in event.message
+    assert token_ids(events[good.request_id]) == subject.references[1].ids
+    hot = make_job(prompts[0], max_new_tokens=4, do_sample=True, temperature=3.0, seed=1)
+    if subject.kind == "vllm":
+        with pytest.raises(RequestRefused, match="temperature"):
+            subject.engine.add(hot)
+    else:
+        assert len(token_ids(run(subject.engine, {0: [hot]})[hot.request_id])) == 4
     assert subject.engine.idle
 
 

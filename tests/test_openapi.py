@@ -50,6 +50,10 @@ UNSTATED_RULES = (
     "` takes no ",  # a media kind the served model does not take (the document lists every kind)
     "cannot be loaded: ",  # a LoRA adapter folder must exist and hold an adapter: the server's files decide
     "has already been loaded.",  # an adapter name already in use: the registry's state decides
+    # what the samplers' float32 can compute with (common.protocol.SamplingParams, docs/reliability.md): the
+    # document keeps SPEC.md's ranges, and temperature's floor depends on do_sample
+    "the engines compute in float32",
+    "the engines divide logits by it",
 )
 
 

@@ -18,6 +18,7 @@ request's ``stop_token_ids`` and ``ignore_eos`` too).
 from __future__ import annotations
 
 import importlib
+import math
 import time
 from abc import ABC, abstractmethod
 from collections import Counter, deque
@@ -156,7 +157,12 @@ class RequestState:
     def token_event(self, token: int, logprob: float, *, stopping: bool, eos: bool, special: bool) -> TokenEvent:
         """Record one generated token and decide whether the request ends with it: a stop string it
         completes, one of its stop token ids or a stop order (``stopping``) end it as ``stop_sequence``, then
-        EOS (unless the request ignores it), then its length."""
+        EOS (unless the request ignores it), then its length. A non-finite ``logprob`` means the request's
+        numbers went bad (NaN or infinite logits, no token left to choose): that raises, so the engine fails
+        this request alone while the rest of its batch goes on."""
+        if not math.isfinite(logprob):
+            raise ArithmeticError(f"the request's logits or probabilities became NaN or infinite at output token "
+                                  f"{len(self.stream.ids)} (logprob {logprob})")
         text, stopped = self.stream.push(token)
         generated = len(self.stream.ids)
         reason: FinishReason | None = None

@@ -4,6 +4,11 @@ Every parameter is a per-row tensor, so one step costs a handful of batched tens
 requests. The only per-row Python work is drawing one uniform number from each sampling row's own
 ``torch.Generator``: sampling is done by inverting the row's CDF with that number, so a request's tokens
 depend on its seed and its logits only, never on which other requests share the batch.
+
+Everything is computed in float32, the parameters included (:class:`common.protocol.SamplingParams` refuses
+values that float32 cannot hold). A row whose numbers go bad all the same (its logits NaN or infinite, every
+token masked) gets a NaN logprob and an id inside the vocabulary, so the batch's tensors stay usable and the
+engine ends that request alone.
 """
 
 from __future__ import annotations
@@ -69,7 +74,8 @@ class BatchSampler:
 
     def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Choose one token per row from ``logits`` [batch, vocab]; returns (ids, logprobs of the chosen ids
-        under the distribution actually sampled from), and records the ids for the repetition penalty."""
+        under the distribution actually sampled from), and records the ids for the repetition penalty. A row
+        whose numbers went bad has a non-finite logprob (see the module docstring)."""
         logits = logits.float()
         if self.any_penalty:
             logits = self._apply_penalty(logits)
@@ -111,8 +117,11 @@ class BatchSampler:
         # The first index whose CDF exceeds u * total has a non-zero probability; clamping the threshold
         # below the total keeps rounding from ever selecting a masked (zero-probability) tail token.
         threshold = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
-        ids = torch.searchsorted(cdf, threshold, right=True)
-        return ids.squeeze(1), logprobs.gather(1, ids).squeeze(1)
+        found = torch.searchsorted(cdf, threshold, right=True)
+        # A NaN CDF finds no token (the vocabulary's size): such a row takes the last id, with a NaN logprob.
+        ids = found.clamp(max=logits.shape[-1] - 1)
+        chosen = logprobs.gather(1, ids).masked_fill(found != ids, float("nan"))
+        return ids.squeeze(1), chosen.squeeze(1)
 
     @classmethod
     def _truncate(cls, logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,10 @@ What this engine leaves to vLLM and what it keeps, so both engines answer the sa
   (with ``ignore_eos``) so both engines stop on the same tokens, with the request's own ``stop_token_ids``
   (and without the EOS set when the request has ``ignore_eos``); a stop string or a stopInfer order aborts
   the vLLM request at once.
+- A request whose numbers go bad (a NaN logprob: NaN or infinite logits) ends with an error of its own
+  (:meth:`worker.engine.RequestState.token_event`) and is aborted; vLLM itself would sample such a row on (the
+  argmax of its NaN or infinite logits, a valid id) beside the others, unaffected. Parameters vLLM's
+  ``SamplingParams`` refuses (a temperature above 2) are refused when the job is added.
 - Priority decides which queued jobs the worker takes (and hands vLLM) first; vLLM schedules the requests it
   holds with its default policy, first come first served.
 
@@ -173,6 +177,10 @@ class VllmEngine(Engine):
         if job.request_id in self._requests:
             raise ValueError(f"request {job.request_id} is already queued or running")
         state = new_request_state(job, self._decode, self.max_total_tokens)
+        try:  # vLLM's SamplingParams checks its arguments when made: refused here, not in a step that fails all
+            self._sampling_params(state)
+        except Exception as exc:  # VLLMValidationError in vLLM 0.32, ValueError in older ones
+            raise RequestRefused(f"vLLM cannot sample with these parameters: {exc}") from None
         state.started_at = time.time()
         if job.adapter is not None:
             self.adapters.acquire(job.adapter)
