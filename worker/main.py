@@ -16,7 +16,8 @@ docs/reliability.md:
 - a lost Redis connection (or, in a Redis Cluster, a shard of the model's that fails) pauses the running batch:
   the loop reconnects with backoff, sends again what it sent and could not confirm, and carries on with the
   requests whose jobs are still its own (those another worker took over meanwhile are its now; those Redis lost
-  are failed); SIGTERM stops taking jobs, finishes the running batch, then exits.
+  are failed); after claimIdleSeconds without Redis it lets them go, as when it stops; SIGTERM stops taking
+  jobs, finishes the running batch, then exits.
 """
 
 from __future__ import annotations
@@ -186,25 +187,31 @@ class WorkerLoop:
         log.info("worker %s serving %s from %s", self.consumer, self.model, ", ".join(self.streams))
         delay = RECONNECT_FIRST_DELAY
         connected = False
+        lost_at: float | None = None  # monotonic time the connection was lost, while it is
         try:
             while self._running or not self.engine.idle or self._preparing:
                 try:
                     if not connected:
                         self.connect()
-                        connected, delay = True, RECONNECT_FIRST_DELAY
+                        connected, delay, lost_at = True, RECONNECT_FIRST_DELAY, None
                     self.run_once()
                 except (*LOST_REDIS, ResponseError) as exc:
                     if not isinstance(exc, LOST_REDIS) and "NOGROUP" not in str(exc):
                         raise
-                    if self._running:
+                    lost_at = time.monotonic() if lost_at is None else lost_at
+                    # Past claimIdleSeconds without a heartbeat other workers may take the jobs over anyway.
+                    if self._running and time.monotonic() - lost_at < self.settings.claim_idle_seconds:
                         log.warning("lost Redis (%s); holding %d running requests, retrying in %.1f s",
                                     exc, len(self._inflight), delay)
                         self.hold()
-                    else:  # stopping: other workers take the jobs over
-                        log.warning("lost Redis (%s) while stopping; leaving %d running requests to other workers",
-                                    exc, len(self._inflight))
+                    else:
+                        if self._inflight:
+                            log.warning("lost Redis (%s) for %.1f s%s; leaving %d running requests to other "
+                                        "workers", exc, time.monotonic() - lost_at,
+                                        "" if self._running else " while stopping", len(self._inflight))
                         self.drop_all(exc)
-                        break
+                        if not self._running:
+                            break
                     connected = False
                     time.sleep(delay)
                     delay = min(delay * 2, RECONNECT_MAX_DELAY)
@@ -556,8 +563,9 @@ class WorkerLoop:
         self._sent = []
 
     def drop_all(self, cause: Exception) -> None:
-        """Forget every running request after losing Redis while stopping. On one server their pods' relays lost it
-        too and answered them; in a cluster the shard of their channels may still be up, so they are told there."""
+        """Forget every running request after losing Redis for claimIdleSeconds, or while stopping: their jobs stay
+        pending for other workers. On one server their pods' relays lost Redis too and answered them; in a cluster
+        the shard of their channels may still be up, so they are told there."""
         self._outbox.discard()  # its replies, if any come, are about requests dropped here
         self._sent, self._held = [], []
         jobs = [running.job for running in self._inflight.values()]
