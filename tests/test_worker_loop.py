@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -117,6 +118,20 @@ def test_malformed_job_is_dropped_and_others_still_served(loop: WorkerLoop) -> N
     events = run_until_idle(loop, subscriber)
     assert events[-1].finish is not None
     assert loop.redis.xpending(STREAM, loop.group)["pending"] == 0
+
+
+def test_a_job_this_worker_cannot_take_is_answered_where_its_reply_channel_reads(loop: WorkerLoop) -> None:
+    """A job whose parameters this worker's rules refuse (an older API pod's, during a rolling upgrade) is not
+    dropped in silence: its client gets a validation error instead of waiting for its timeout."""
+    subscriber = subscribe(loop)
+    job = json.loads(Job(request_id="old-pod", model="m", reply_channel="reply:old-pod", input_ids=[1, 9],
+                         params=SamplingParams(seed=1, max_new_tokens=3), enqueued_at=time.time()).model_dump_json())
+    job["params"]["repetition_penalty"] = 5e-324
+    loop.redis.xadd(STREAM, {keys.JOB_FIELD: json.dumps(job)})
+    [(request_id, event)] = run_until_idle_by_request(loop, subscriber)
+    assert request_id == "old-pod" and isinstance(event, ErrorEvent) and event.error_type == "validation"
+    assert "repetition_penalty" in event.message
+    assert loop.redis.xlen(STREAM) == 0
 
 
 def test_engine_failure_fails_the_batch_and_the_loop_keeps_serving(

@@ -22,6 +22,7 @@ docs/reliability.md:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -377,10 +378,23 @@ class WorkerLoop:
             self.accept(retried)
 
     def _parse(self, message_id: bytes, fields: dict[bytes, bytes]) -> Job | None:
+        """The entry's job; None for one this worker cannot take (an older or newer API pod's, whose parameters
+        this worker's rules refuse), whose client is told why where its reply channel can be read."""
+        raw = fields.get(keys.JOB_FIELD.encode(), b"")
         try:
-            return Job.model_validate_json(fields.get(keys.JOB_FIELD.encode(), b""))
+            return Job.model_validate_json(raw)
         except ValidationError as exc:
             log.error("dropping malformed job %s: %s", message_id, exc)
+            try:
+                channel = json.loads(raw).get("reply_channel")
+            except (ValueError, AttributeError):
+                channel = None
+            if isinstance(channel, str):
+                first = exc.errors()[0]
+                where = ".".join(str(part) for part in first["loc"])
+                event = ErrorEvent(message=f"the request cannot run on this worker: {where}: {first['msg']}",
+                                   error_type="validation")
+                publish(self.redis, self.settings.redis_cluster, channel, event.model_dump_json())
             return None
 
     def accept(self, read: list[tuple[Entry, dict[bytes, bytes]]]) -> None:
@@ -390,7 +404,7 @@ class WorkerLoop:
         jobs: list[tuple[Entry, Job, float]] = []
         for entry, fields in read:
             job = self._parse(entry.message_id, fields)
-            if job is None:  # nobody can be answered without a valid reply channel: drop it, loudly
+            if job is None:  # answered where it could be (_parse): drop it, loudly
                 self._ack_ids([entry])
             elif job.request_id in self._inflight:  # re-claimed while still running here
                 continue
