@@ -8,7 +8,6 @@ what it last reported. ``--model`` limits it to the given models, ``--json`` pri
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 import time
@@ -19,6 +18,7 @@ from rich.table import Table
 
 from common.cluster import ModelState, discover_models, read_model_state
 from common.connection import REDIS_ERRORS, AsyncRedis, async_client
+from common.process import command_parser
 from common.settings import Settings, settings_or_exit
 
 
@@ -75,7 +75,7 @@ async def _run(settings: Settings, only: list[str] | None) -> list[ModelState]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="ferry-status", description=__doc__.splitlines()[0])
+    parser = command_parser("ferry-status", __doc__.splitlines()[0])
     parser.add_argument("--redis-url", help="overrides REDIS_URL")
     parser.add_argument("--model", action="append", help="only this model (repeatable)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")

@@ -7,13 +7,15 @@ import os
 import subprocess
 import sys
 import time
+from importlib.metadata import version
 
 import fakeredis
+import pytest
 from rich.console import Console
 
 from common import keys
 from common.protocol import WorkerStatus
-from common.status import read_status, render
+from common.status import main, read_status, render
 from tests.conftest import Stack
 
 
@@ -71,3 +73,12 @@ def test_check_fails_for_a_model_without_workers(stack: Stack) -> None:
 def test_an_unreachable_redis_is_reported() -> None:
     done = status_json("--redis-url", "redis://127.0.0.1:1/0")
     assert done.returncode == 2 and "cannot read redis://127.0.0.1:1/0" in done.stderr
+
+
+def test_version_and_help_name_the_distribution_and_configuration(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out == f"ferry-status {version('ferry-llm')}\n"
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0 and "FERRY_CONFIG" in " ".join(capsys.readouterr().out.split())
