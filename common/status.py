@@ -9,6 +9,7 @@ what it last reported. ``--model`` limits it to the given models, ``--json`` pri
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 
@@ -87,10 +88,17 @@ def main(argv: list[str] | None = None) -> None:
     except (*REDIS_ERRORS, OSError) as exc:
         print(f"ferry-status: cannot read {settings.redis_location}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    if args.json:
-        print(TypeAdapter(list[ModelState]).dump_json(states, indent=2).decode())
-    else:
-        render(states, Console())
+    try:
+        if args.json:
+            print(TypeAdapter(list[ModelState]).dump_json(states, indent=2).decode())
+        else:
+            render(states, Console())
+        sys.stdout.flush()  # a closed pipe then raises here, not in the flush at exit
+    except BrokenPipeError:
+        # The reader left (``| head -1``): stop quietly, as the signal module docs advise for command-line
+        # tools; stdout goes to devnull so that the flush at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(1) from None
     if args.check and any(not state.workers for state in states):
         raise SystemExit(1)
 

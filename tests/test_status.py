@@ -82,3 +82,14 @@ def test_version_and_help_name_the_distribution_and_configuration(capsys: pytest
     with pytest.raises(SystemExit) as done:
         main(["--help"])
     assert done.value.code == 0 and "FERRY_CONFIG" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("output", [["--json"], []])
+def test_a_reader_that_left_is_no_traceback(redis_url: str, output: list[str]) -> None:
+    """``ferry-status --json | head -1``: the pipe's reader is gone before the command writes."""
+    proc = subprocess.Popen([sys.executable, "-m", "common.status", "--redis-url", redis_url, "--model", "m",
+                             *output], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    proc.stdout.close()
+    _, stderr = proc.communicate(timeout=60)
+    assert (proc.returncode, stderr) == (1, b"")
