@@ -265,7 +265,7 @@ async def info(ctx: Ctx) -> TGIInfo:
               if (served := ctx.for_model(name)) is not None]
     return TGIInfo(
         **default.model_dump(exclude={"max_total_tokens"}),
-        max_concurrent_requests=settings.max_batch_size,
+        max_concurrent_requests=settings.max_link_num,
         max_best_of=1,
         max_stop_sequences=MAX_STOP_ITEMS,
         max_input_length=ctx.max_input_tokens,

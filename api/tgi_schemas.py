@@ -266,7 +266,8 @@ class InfoModel(BaseModel):
 class TGIInfo(BaseModel):
     """``GET /info`` as TGI 0.9.4 reports it (the default model), plus MindIE's ``models``: every served model,
     the default first. TGI's ``max_batch_total_tokens``, ``max_concurrent_requests`` and ``max_best_of`` are
-    MindIE's fields too."""
+    MindIE's fields too. ``max_concurrent_requests`` is maxLinkNum, the requests this pod holds open before it
+    refuses more, as TGI's is its router's bound (not the workers' maxBatchSize)."""
 
     model_id: str
     model_sha: str | None

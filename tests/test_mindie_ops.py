@@ -43,7 +43,7 @@ def _with_workers(server: fakeredis.FakeServer, model: str, reports: dict[str, W
 @pytest.fixture
 def two_models(tiny_model_path: Path) -> Iterator[tuple[TestClient, fakeredis.FakeServer]]:
     """An app serving ``first`` (the default) and ``second`` over fakeredis, with no worker yet."""
-    settings = Settings(model_name="first", max_batch_size=8,
+    settings = Settings(model_name="first", max_batch_size=8, max_link_num=5,
                         models=[ModelEntry(name="first", path=tiny_model_path),
                                 ModelEntry(name="second", path=tiny_model_path)])
     server = fakeredis.FakeServer()
@@ -101,7 +101,8 @@ def test_slots_status_and_metrics_json_from_the_workers_reports(
     info = client.get("/info").json()
     assert info["model_id"] == "first" and [m["model_id"] for m in info["models"]] == ["first", "second"]
     assert info["models"][0]["max_total_tokens"] == info["max_total_tokens"]
-    assert (info["max_concurrent_requests"], info["max_best_of"]) == (8, 1) and info["max_batch_total_tokens"] > 0
+    # maxLinkNum, the pod's bound on concurrent requests, not maxBatchSize
+    assert (info["max_concurrent_requests"], info["max_best_of"]) == (5, 1) and info["max_batch_total_tokens"] > 0
 
 
 def test_an_unknown_model_has_no_slots(two_models: tuple[TestClient, fakeredis.FakeServer]) -> None:
@@ -259,9 +260,9 @@ def test_slots_and_status_of_the_stack(stack: Stack) -> None:
                                "model_device_type": "cpu", "model_pipeline_tag": "text-generation",
                                "max_total_tokens": info["max_total_tokens"]}]
     slots = _idle(base, f"/v2/models/{model}/getSlotCount", lambda b: b["free_slots"] == b["total_slots"])
-    # the worker reports its maxBatchSize (the default, 32, as /info's max_concurrent_requests)
-    assert slots == {"total_slots": info["max_concurrent_requests"], "free_slots": info["max_concurrent_requests"],
-                     "available_tokens_length": kv}
+    # the worker reports its maxBatchSize (the default)
+    batch = Settings.model_fields["max_batch_size"].default
+    assert slots == {"total_slots": batch, "free_slots": batch, "available_tokens_length": kv}
     load = {"live_workers": 1, "waiting_requests": 0, "running_requests": 0, "free_kv_tokens": kv,
             "total_kv_tokens": kv}
     for path in ("/v1/status", "/v2/status"):
