@@ -103,7 +103,8 @@ def _unknown_model(ctx: ServerContext, model: str, param: str = "model") -> Prot
 async def model_context(ctx: ServerContext, model: str) -> tuple[ServerContext, str | None]:
     """The context of the model a request names, and the LoRA adapter when the name is one (vLLM selects
     adapters by ``model``). With one model served, any other name is that model (TGI ignores the name:
-    ``huggingface_hub`` sends ``"dummy"``); with several, a name that is neither is 404."""
+    ``huggingface_hub`` sends ``"dummy"``), except an adapter's that was unloaded: the client asked for the
+    adapter, not the model without it; with several, a name that is neither is 404."""
     named = ctx.for_model(model)
     if named is not None:
         return named, None
@@ -159,9 +160,13 @@ async def to_chat_request(ctx: ServerContext, body: ChatCompletionRequest, reque
     return await resolve(ctx, OPENAI, request)
 
 
+def _tally(prompt_tokens: int, completion_tokens: int) -> Usage:
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens)
+
+
 def _usage(finish: Finish) -> Usage:
-    return Usage(prompt_tokens=finish.prompt_tokens, completion_tokens=finish.generated_tokens,
-                 total_tokens=finish.prompt_tokens + finish.generated_tokens)
+    return _tally(finish.prompt_tokens, finish.generated_tokens)
 
 
 @dataclass(frozen=True)
@@ -231,21 +236,33 @@ def _chunk_json(chunk: BaseModel, include_usage: bool) -> str:
     return chunk.model_dump_json(exclude=None if include_usage else {"usage"})
 
 
-async def _stream(ctx: ServerContext, request: GenerationRequest, shape: Shape, include_usage: bool) -> Response:
+async def _stream(ctx: ServerContext, request: GenerationRequest, shape: Shape, include_usage: bool,
+                  continuous_usage: bool) -> Response:
     """Queue the request (failures answer with a status), then stream: the opening chunks, one chunk per
-    non-empty text delta, the closing chunk with the finish reason, the usage chunk when asked for, ``[DONE]``."""
+    non-empty text delta, the closing chunk with the finish reason, the usage chunk when asked for, ``[DONE]``.
+    With ``continuous_usage`` (vLLM's ``continuous_usage_stats``) every chunk carries the usage so far, which
+    benchmarks read per token: the prompt as queued (a multimodal prompt's media expand in the worker, so its
+    count is exact from the last token's chunk on) and the tokens generated up to the chunk."""
     submission = await submit(ctx, OPENAI, request)
 
     async def render(events: AsyncIterator[TokenEvent]) -> AsyncIterator[str]:
+        so_far = _tally(len(request.input_ids), 0)
+
+        def chunk_json(chunk: Completion | ChatCompletionChunk) -> str:
+            if continuous_usage:
+                chunk.usage = so_far
+            return _chunk_json(chunk, include_usage)
+
         for chunk in shape.opening():
-            yield _chunk_json(chunk, include_usage)
+            yield chunk_json(chunk)
         async for event in events:
+            so_far = _usage(event.finish) if event.finish else _tally(so_far.prompt_tokens, event.index + 1)
             if event.token.text:
-                yield _chunk_json(shape.delta(event.token.text), include_usage)
+                yield chunk_json(shape.delta(event.token.text))
             if event.finish is not None:
-                yield _chunk_json(shape.closing(FINISH_REASONS[event.finish.finish_reason]), include_usage)
+                yield chunk_json(shape.closing(FINISH_REASONS[event.finish.finish_reason]))
                 if include_usage:
-                    yield _chunk_json(shape.usage(_usage(event.finish)), include_usage)
+                    yield _chunk_json(shape.usage(so_far), include_usage)
         yield DONE
 
     def render_error(exc: PipelineError) -> str:
@@ -259,7 +276,7 @@ async def _respond(
 ) -> Response:
     """The stream when asked for, else the whole response once generation finishes."""
     if body.stream:
-        return await _stream(ctx, request, shape, body.include_usage)
+        return await _stream(ctx, request, shape, body.include_usage, body.continuous_usage)
     result = await generate(ctx, OPENAI, request, http)
     return JSONResponse(shape.response(result.finish).model_dump())
 

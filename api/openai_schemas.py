@@ -95,9 +95,11 @@ def _required(*fields: str) -> Callable[[dict[str, Any]], None]:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")  # e.g. vLLM's continuous_usage_stats is not built
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = Field(
+        None, description="vLLM's: with include_usage, every chunk also carries the usage so far (else ignored)")
 
 
 class SamplingRequest(BaseModel):
@@ -171,6 +173,11 @@ class SamplingRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's rule: continuous_usage_stats counts only with include_usage."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(SamplingRequest):

@@ -113,6 +113,20 @@ def test_completion_stream_with_usage(stack: Stack, prompt_ids: list[int]) -> No
     assert len({c.id for c in chunks}) == 1
 
 
+def test_completion_stream_with_continuous_usage(stack: Stack, prompt_ids: list[int]) -> None:
+    """guidellm's stream_options: each chunk's usage counts the tokens generated so far, one per text chunk."""
+    chunks = list(client_for(stack).completions.create(
+        model=stack.model_name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    ))
+    *text_chunks, usage_chunk = chunks
+    counts = [c.usage.completion_tokens for c in text_chunks if c.usage is not None]
+    assert counts == sorted(counts) and len(counts) == len(text_chunks)
+    assert {c.usage.prompt_tokens for c in text_chunks if c.usage is not None} == {len(prompt_ids)}
+    assert text_chunks[-1].usage == usage_chunk.usage
+    assert usage_chunk.usage is not None and usage_chunk.usage.completion_tokens == MAX_TOKENS
+
+
 def test_stop_string_is_excluded(stack: Stack) -> None:
     full = tgi_greedy(stack, PROMPT, 20)["generated_text"]
     stop = full[len(full) // 2 : len(full) // 2 + 3]

@@ -268,10 +268,10 @@ def test_completion_rules(client: TestClient, field: str, value: Any, fragment: 
 
 
 def test_unknown_stream_option_is_named(client: TestClient) -> None:
-    body = completion_body(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    body = completion_body(stream=True, stream_options={"include_usage": True, "include_obfuscation": True})
     assert_openai_error(post(client, COMPLETIONS, body), 400,
-                        "`stream_options.continuous_usage_stats` is not a supported parameter",
-                        "stream_options.continuous_usage_stats")
+                        "`stream_options.include_obfuscation` is not a supported parameter",
+                        "stream_options.include_obfuscation")
 
 
 @pytest.mark.parametrize("route", [COMPLETIONS, CHAT])
@@ -754,6 +754,33 @@ def test_stream_include_usage(chat_client: TestClient, stand_in_worker: list[Gen
     assert usage_chunk["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 3,
                                     "total_tokens": prompt_tokens + 3}
     assert usage_chunk["id"] == chunks[0]["id"]
+
+
+@pytest.mark.parametrize("route", [COMPLETIONS, CHAT])
+def test_stream_continuous_usage(chat_client: TestClient, stand_in_worker: list[GenerationRequest],
+                                 route: str) -> None:
+    """vLLM's continuous_usage_stats (guidellm sends it): every chunk has the usage so far, growing by the
+    chunk's tokens ("lo" also brings the held-back token), the last choice chunk's equal to the usage chunk's."""
+    body = completion_body() if route == COMPLETIONS else chat_body()
+    body.update(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    *chunks, usage_chunk, done = sse_data(post(chat_client, route, body).text)
+    assert done == "[DONE]"
+    prompt_tokens = len(stand_in_worker[0].input_ids)
+    assert all(c["choices"] and c["usage"]["prompt_tokens"] == prompt_tokens for c in chunks)
+    assert all(c["usage"]["total_tokens"] == prompt_tokens + c["usage"]["completion_tokens"] for c in chunks)
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == ([0] if route == CHAT else []) + [1, 3, 3]  # (the role,) "Hel", "lo", the finish reason
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"] == chunks[-1]["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 3,
+                                                           "total_tokens": prompt_tokens + 3}
+
+
+def test_continuous_usage_needs_include_usage(client: TestClient, stand_in_worker: list[GenerationRequest]) -> None:
+    """As in vLLM, continuous_usage_stats alone adds no usage."""
+    body = completion_body(stream=True, stream_options={"continuous_usage_stats": True})
+    *chunks, done = sse_data(post(client, COMPLETIONS, body).text)
+    assert done == "[DONE]"
+    assert all("usage" not in c and c["choices"] for c in chunks)
 
 
 def test_stream_without_include_usage(client: TestClient, stand_in_worker: list[GenerationRequest]) -> None:
