@@ -47,6 +47,11 @@ async def model_of(ctx: ServerContext, adapter: str) -> ServerContext | None:
     return next((ctx.for_model(model) for model, has in zip(ctx.models, found) if has), None)
 
 
+async def was_unloaded(ctx: ServerContext, name: str) -> bool:
+    """Whether ``name`` is an adapter of the model of ``ctx`` that was unloaded (and may be loaded again)."""
+    return bool(await ctx.redis.sismember(keys.unloaded_adapters_key(ctx.model.model_id), name))
+
+
 def allowed_folder(settings: Settings, path: str) -> bool:
     """Whether ``path``, symlinks and ``..`` resolved, is in a folder adapters may be loaded from at run time:
     one of loraAdapterRoots, or a configured adapter's own (loraModules), which can so be loaded again."""
@@ -83,6 +88,7 @@ async def remove(ctx: ServerContext, name: str) -> bool:
     model = ctx.model.model_id
     if not await ctx.redis.hdel(keys.adapters_key(model), name):
         return False
+    await ctx.redis.sadd(keys.unloaded_adapters_key(model), name)
     await publish(ctx.redis, ctx.settings.redis_cluster, keys.control_channel(model),
                   Control(request_id=name, action="unload_adapter").model_dump_json())
     return True

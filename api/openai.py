@@ -111,7 +111,7 @@ async def model_context(ctx: ServerContext, model: str) -> tuple[ServerContext, 
     adapted = await adapters.model_of(ctx, model)
     if adapted is not None:
         return adapted, model
-    if len(ctx.models) == 1:
+    if len(ctx.models) == 1 and not await adapters.was_unloaded(ctx, model):
         return ctx, None
     raise _unknown_model(ctx, model)
 

@@ -32,6 +32,10 @@ spread over the shards. A pod's request channels hash by the pod's id, so each p
   (``/v1/load_lora_adapter``). API pods accept a request for an adapter only while it is here; workers load
   an adapter from the folder its job names the first time they see it, and free it after an
   ``unload_adapter`` control message once no running request uses it.
+- ``ferry:{<model>}:unloaded-adapters``: set of the names of the model's adapters unloaded at run time: with
+  one model served, the OpenAI routes take an unknown ``model`` for that model, but refuse one of these (404)
+  while it is not in ``adapters`` again, so that a request for an unloaded adapter is not answered by the
+  model without it.
 - ``ferry:{<model>}:media:{request_id}:{n}``: the bytes of the request's n-th media item (multimodal list
   input), SET by the API pod before it queues the job (whose :class:`common.protocol.MediaRef` names the key)
   and deleted by that pod when the request ends; its TTL (e2eTimeout + 60 s) removes it if the pod dies first.
@@ -123,6 +127,10 @@ def inflight_key(model: str, request_id: str) -> str:
 
 def adapters_key(model: str) -> str:
     return f"{_model(model)}:adapters"
+
+
+def unloaded_adapters_key(model: str) -> str:
+    return f"{_model(model)}:unloaded-adapters"
 
 
 def media_key(model: str, request_id: str, index: int) -> str:

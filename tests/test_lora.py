@@ -18,7 +18,7 @@ import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from openai import OpenAI
+from openai import NotFoundError, OpenAI
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -186,8 +186,9 @@ def test_unload_of_an_unknown_adapter_is_404(lora_stack: Stack) -> None:
 
 def test_load_use_unload_and_reuse_at_run_time(lora_stack: Stack, adapters: dict[str, Path],
                                                reference: Reference) -> None:
-    """Both workers serve an adapter loaded at run time; after an unload it is refused; loaded again under the
-    same name from another folder, the workers serve the new weights."""
+    """Both workers serve an adapter loaded at run time; after an unload it is refused, OpenAI's ``model`` too
+    (not answered by the only model); loaded again under the same name from another folder, the workers serve
+    the new weights."""
     resp = post(lora_stack, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": str(adapters["b"])})
     assert resp.status_code == 200 and resp.text == "Success: LoRA adapter 'b' added successfully.", resp.text
 
@@ -201,6 +202,10 @@ def test_load_use_unload_and_reuse_at_run_time(lora_stack: Stack, adapters: dict
     resp = post(lora_stack, "/v1/unload_lora_adapter", {"lora_name": "b"})
     assert resp.status_code == 200 and resp.text == "Success: LoRA adapter 'b' removed successfully.", resp.text
     assert generate(lora_stack, adapter_id="b").status_code == 422
+    client = OpenAI(base_url=f"{lora_stack.base_url}/v1", api_key="x", max_retries=0, timeout=60)
+    with pytest.raises(NotFoundError) as caught:
+        client.completions.create(model="b", prompt=PROMPT, max_tokens=NEW_TOKENS)
+    assert caught.value.code == "model_not_found" and caught.value.param == "model"
     assert post(lora_stack, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": str(adapters["a"])}).status_code == 200
     assert all(token_ids(resp) == reference(adapters["a"]) for resp in asyncio.run(many("b", 8)))
     assert post(lora_stack, "/v1/unload_lora_adapter", {"lora_name": "b"}).status_code == 200
