@@ -62,7 +62,7 @@ JOB_FIELD = "job"
 # pub/sub is sharded (SPUBLISH, SSUBSCRIBE, SUNSUBSCRIBE).
 ACL_RULES = (
     f"~{PREFIX}:* &* -@all +ping "
-    "+eval +get +set +mget +del +exists +scan +hset +hsetnx +hget +hgetall +hexists +hdel "
+    "+eval +get +set +mget +del +exists +scan +hset +hsetnx +hget +hgetall +hexists +hdel +sadd +sismember "
     "+xadd +xlen +xreadgroup +xack +xdel +xgroup|create +xclaim +xautoclaim +xpending "
     "+zadd +zrem +zcount +zrangebyscore +zremrangebyscore "
     "+publish +subscribe +unsubscribe +psubscribe +punsubscribe +spublish +ssubscribe +sunsubscribe "

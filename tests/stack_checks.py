@@ -53,6 +53,10 @@ def check_stop_order_and_lora_registry(stack: Stack, model_path: Path, tmp_path:
     answer = httpx.post(f"{base}/generate", timeout=60,
                         json={"inputs": "def main(", "parameters": {"max_new_tokens": 4, "adapter_id": "t"}})
     assert answer.status_code == 200, answer.text
+    unloaded = httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "t"}, timeout=10)
+    assert unloaded.status_code == 200, unloaded.text
+    gone = httpx.post(f"{base}/v1/completions", json={"model": "t", "prompt": "def main(", "max_tokens": 2}, timeout=30)
+    assert gone.status_code == 404, gone.text  # not the base model's answer (the unloaded names' set)
 
 
 def check_ferry_status(env: dict[str, str], model: str, workers: int) -> None:
