@@ -143,9 +143,11 @@ def wait_healthy(base_url: str, processes: list[subprocess.Popen[bytes]], timeou
 
 
 def start_stack(
-    redis_url: str, model_path: Path, log_dir: Path, extra_env: dict[str, str] | None = None, workers: int = 1
+    redis_url: str, model_path: Path, log_dir: Path, extra_env: dict[str, str] | None = None, workers: int = 1,
+    health_timeout: float = 120.0,
 ) -> Stack:
-    """Start ``ferry-api`` and ``ferry-worker`` as separate processes, under a model name of their own."""
+    """Start ``ferry-api`` and ``ferry-worker`` as separate processes, under a model name of their own; healthy
+    within ``health_timeout`` seconds (a worker that compiles its step is healthy only once it has)."""
     model_name = f"tiny-{uuid.uuid4().hex[:8]}"
     port = free_port()
     env = {
@@ -165,7 +167,7 @@ def start_stack(
     base_url = f"http://127.0.0.1:{port}"
     stack = Stack(base_url, model_name, redis_url, env, processes)
     try:
-        wait_healthy(base_url, processes)
+        wait_healthy(base_url, processes, health_timeout)
     except Exception:
         stop_stack(stack)
         raise

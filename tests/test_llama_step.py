@@ -204,7 +204,8 @@ def test_a_compiling_worker_serves_the_same_tokens(redis_url: str, tiny_model_pa
     generated: dict[str, list[list[int]]] = {}
     for setting in ("true", "false"):
         log_dir = tmp_path_factory.mktemp(f"compile-{setting}")
-        stack = start_stack(redis_url, tiny_model_path, log_dir, {"COMPILE_MODEL": setting})
+        # A compile with a cold Inductor cache (a fresh clone, a loaded CI machine) took over 120 s.
+        stack = start_stack(redis_url, tiny_model_path, log_dir, {"COMPILE_MODEL": setting}, health_timeout=360)
         try:
             def generate(prompt: str) -> list[int]:
                 body = {"inputs": prompt, "parameters": {"max_new_tokens": 24, "details": True, "do_sample": False}}
