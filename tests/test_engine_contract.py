@@ -37,8 +37,8 @@ PROMPTS = [
 # The lengths the greedy references are made for (prompt index -> max_new_tokens)
 LENGTHS = [12, 30, 7, 25, 18, 3, 40, 22]
 ENGINES = ["transformers", "vllm"]
-# vLLM on the tiny model: no compilation (tests would spend ~20 s more per engine start), a small KV cache
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+# vLLM on the tiny model: no compilation (tests would spend ~20 s more per engine start); the engine's KV cache
+# holds maxBatchTotalTokens (worker/vllm_engine.py)
 VLLM_ARGS = {"enforce_eager": True}
 _request_ids = itertools.count()
 
@@ -121,7 +121,7 @@ def vllm_references(path: Path, prompts: list[list[int]]) -> list[Reference]:
     """vLLM's offline ``LLM.generate``, in this process, shut down before the engine under test starts."""
     from vllm import LLM, SamplingParams as VllmSamplingParams, TokensPrompt
 
-    llm = LLM(model=str(path), dtype="float32", seed=0, **VLLM_ARGS)
+    llm = LLM(model=str(path), dtype="float32", seed=0, kv_cache_memory_bytes=2**30, **VLLM_ARGS)
     try:
         params = [VllmSamplingParams(temperature=0, max_tokens=length, logprobs=0) for length in LENGTHS]
         outputs = llm.generate([TokensPrompt(prompt_token_ids=prompt) for prompt in prompts], params)
@@ -147,7 +147,7 @@ class EngineUnderTest:
 
 @pytest.fixture(scope="module", params=ENGINES)
 def subject(
-    request: pytest.FixtureRequest, contract_model_path: Path, prompts, monkeypatch_module
+    request: pytest.FixtureRequest, contract_model_path: Path, prompts
 ) -> Iterator[EngineUnderTest]:
     kind = request.param
     settings = Settings(
@@ -156,8 +156,6 @@ def subject(
     )
     if kind == "vllm":
         require_vllm()
-        for name, value in VLLM_ENV.items():
-            monkeypatch_module.setenv(name, value)
         references = vllm_references(contract_model_path, prompts)
     else:
         references = transformers_references(contract_model_path, prompts)
@@ -166,12 +164,6 @@ def subject(
         yield EngineUnderTest(kind, engine, references)
     finally:
         engine.close()
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
-    with pytest.MonkeyPatch.context() as patch:
-        yield patch
 
 
 # -- driving an engine --------------------------------------------------------------------------------
@@ -432,3 +424,9 @@ def test_ignore_eos_and_stop_token_ids(subject: EngineUnderTest, prompts) -> Non
     assert len(stream) == len(eos_ended.ids) + 5 and stream[-1].finish.finish_reason == "length"
     stream = events[stopped.request_id]
     assert token_ids(stream) == reference[: stop_at + 1] and stream[-1].finish.finish_reason == "stop_sequence"
+
+
+def test_the_kv_cache_holds_max_batch_total_tokens(subject: EngineUnderTest) -> None:
+    """maxBatchTotalTokens sizes both engines' KV cache: vLLM's too, rather than a fraction of the host's memory
+    that fails to start where other processes use memory."""
+    assert subject.engine.kv_budget_tokens == Settings().max_batch_total_tokens

@@ -27,7 +27,7 @@ from api.app import create_app
 from common.settings import Settings, load_settings
 from tests.conftest import Stack, start_stack, stop_stack
 from tests.sse import sse_data
-from tests.test_engine_contract import VLLM_ARGS, VLLM_ENV, require_vllm
+from tests.test_engine_contract import VLLM_ARGS, require_vllm
 from worker.tiny_model import make_tiny_lora
 
 PROMPT = "def main("
@@ -229,7 +229,7 @@ def test_the_vllm_engine_serves_the_same_adapter(redis_url: str, tiny_model_path
                                                  tmp_path_factory: pytest.TempPathFactory) -> None:
     """The vllm engine (vLLM's LoRA requests) answers an adapter's request as the built-in engine does."""
     require_vllm()
-    env = {"ENGINE": "vllm", "VLLM_ENGINE_ARGS": json.dumps(VLLM_ARGS), **VLLM_ENV,
+    env = {"ENGINE": "vllm", "VLLM_ENGINE_ARGS": json.dumps(VLLM_ARGS),
            "LORA_MODULES": json.dumps({"a": str(adapters["a"])}), "LORA_ADAPTER_ROOTS": str(adapters["b"].parent)}
     vllm = start_stack(redis_url, tiny_model_path, tmp_path_factory.mktemp("lora-vllm"), env)
     try:

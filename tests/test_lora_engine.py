@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from common.protocol import AdapterRef, Job, TokenEvent
 from common.settings import Settings
 from tests.test_engine import collect, greedy_reference, make_job, run, token_ids
-from tests.test_engine_contract import ENGINES, PROMPTS, VLLM_ARGS, VLLM_ENV, require_vllm
+from tests.test_engine_contract import ENGINES, PROMPTS, VLLM_ARGS, require_vllm
 from worker import tiny_model
 from worker.cpu_linear import PackedLinear
 from worker.engine import Engine, RequestRefused, load_engine
@@ -48,13 +48,10 @@ def prompts(tiny_model_path: Path) -> list[list[int]]:
 def shared_engine(request: pytest.FixtureRequest, tiny_model_path: Path) -> Iterator[Engine]:
     """One engine per kind for the module (vLLM with LoRA on, two adapters per batch)."""
     kind = request.param
-    with pytest.MonkeyPatch.context() as patch:
-        if kind == "vllm":
-            require_vllm()
-            for name, value in VLLM_ENV.items():
-                patch.setenv(name, value)
-        engine = load_engine(Settings(model_path=tiny_model_path, engine=kind, vllm_engine_args={
-            **VLLM_ARGS, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8}))
+    if kind == "vllm":
+        require_vllm()
+    engine = load_engine(Settings(model_path=tiny_model_path, engine=kind, vllm_engine_args={
+        **VLLM_ARGS, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8}))
     yield engine
     engine.close()
 

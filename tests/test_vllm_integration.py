@@ -17,7 +17,7 @@ from openai import OpenAI
 from text_generation import Client
 
 from tests.conftest import Stack, start_stack, stop_stack
-from tests.test_engine_contract import VLLM_ARGS, VLLM_ENV, require_vllm
+from tests.test_engine_contract import VLLM_ARGS, require_vllm
 
 PROMPT = "def main("
 
@@ -26,7 +26,7 @@ PROMPT = "def main("
 def vllm_stack(redis_url: str, tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """The tiny model behind the vLLM engine, with TGI's int stream ids (what the text-generation client reads)."""
     require_vllm()
-    env = {"ENGINE": "vllm", "VLLM_ENGINE_ARGS": json.dumps(VLLM_ARGS), "TGI_STREAM_FORMAT": "int", **VLLM_ENV}
+    env = {"ENGINE": "vllm", "VLLM_ENGINE_ARGS": json.dumps(VLLM_ARGS), "TGI_STREAM_FORMAT": "int"}
     running = start_stack(redis_url, tiny_model_path, tmp_path_factory.mktemp("stack-vllm"), env)
     yield running
     stop_stack(running)

@@ -28,8 +28,11 @@ What this engine leaves to vLLM and what it keeps, so both engines answer the sa
 
 Engine arguments come from the settings (model, dtype, maxSeqLen, maxBatchSize, trustRemoteCode) plus
 ``BackendConfig.vllmEngineArgs`` (env ``VLLM_ENGINE_ARGS``, a JSON object of further ``vllm.EngineArgs``
-fields, e.g. ``gpu_memory_utilization`` or ``tensor_parallel_size``). On CPU, ``VLLM_CPU_KVCACHE_SPACE`` (GiB)
-sizes the KV cache.
+fields, e.g. ``gpu_memory_utilization`` or ``tensor_parallel_size``). The KV cache holds ``maxBatchTotalTokens``
+tokens, as the built-in engine's budget does (:func:`kv_cache_bytes`), unless vLLM's own sizing is asked for:
+``gpu_memory_utilization`` or ``kv_cache_memory_bytes`` in those arguments, or ``VLLM_CPU_KVCACHE_SPACE`` (GiB)
+on CPU. Left to itself vLLM takes a fraction of the whole device, which on a CPU host fails as soon as other
+processes use memory.
 """
 
 from __future__ import annotations
@@ -62,7 +65,8 @@ from worker.engine import (
 )
 
 try:
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
     from vllm import EngineArgs, SamplingParams, TokensPrompt
     from vllm.lora.request import LoRARequest
     from vllm.platforms import current_platform
@@ -75,6 +79,21 @@ log = logging.getLogger("ferry.engine.vllm")
 
 # Where a device index goes for vLLM: it takes the first visible device of its platform.
 _VISIBLE_DEVICES = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
+# What sizes vLLM's KV cache its own way (see the module docstring): engine arguments, then env vars.
+_VLLM_KV_ARGS = ("gpu_memory_utilization", "kv_cache_memory_bytes")
+_VLLM_KV_ENV = ("VLLM_CPU_KVCACHE_SPACE",)
+
+
+def kv_cache_bytes(config: PretrainedConfig, dtype: str, tokens: int) -> int:
+    """The bytes of ``tokens`` positions of keys and values of every attention layer of the model of
+    ``config``, in ``dtype`` (``auto``: the model's own; vLLM caches keys and values in it)."""
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    model_dtype = getattr(text, "dtype", None) or getattr(config, "dtype", None) or torch.float32
+    element = (model_dtype if dtype == "auto" else getattr(torch, dtype)).itemsize
+    return tokens * text.num_hidden_layers * 2 * kv_heads * head_dim * element
 
 
 class VllmEngine(Engine):
@@ -147,13 +166,17 @@ class VllmEngine(Engine):
             "enable_lora": bool(settings.served_models[0].lora_modules),
             **settings.vllm_engine_args,
         }
+        if not any(key in arguments for key in _VLLM_KV_ARGS) and not any(env in os.environ for env in _VLLM_KV_ENV):
+            arguments["kv_cache_memory_bytes"] = kv_cache_bytes(config, settings.dtype, settings.max_batch_total_tokens)
         try:
             engine = LLMEngine.from_engine_args(EngineArgs(**arguments))
         except (TypeError, ValueError, RuntimeError, OSError) as exc:
             raise EngineLoadError.for_model(path, exc, "vLLM cannot serve the model") from None
-        log.info("loaded the model at %s in %.1f s (dtype %s, device %s)", path, time.monotonic() - started,
-                 str(engine.vllm_config.model_config.dtype).removeprefix("torch."), settings.device)
-        return cls(engine, tokenizer, settings, eos_token_ids(generation, config))
+        loaded = cls(engine, tokenizer, settings, eos_token_ids(generation, config))
+        log.info("loaded the model at %s in %.1f s (dtype %s, device %s); KV cache of %d tokens", path,
+                 time.monotonic() - started, str(engine.vllm_config.model_config.dtype).removeprefix("torch."),
+                 settings.device, loaded.kv_budget_tokens)
+        return loaded
 
     # -- admission ---------------------------------------------------------------------------------
 
