@@ -1,11 +1,12 @@
 """The Llama-family step (decode steps and prompt passes) gives bit-identical logits to the model's forward, and
 only takes what it can; compiled, it gives the same logits within float rounding, with no graph built after
-load, and a worker serves the same tokens with it."""
+the compile, and a worker serves at once, eagerly, then the same tokens with its compiled passes."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,13 +16,14 @@ import pytest
 import torch
 import torch._dynamo
 from peft import LoraConfig, get_peft_model
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from common.protocol import SamplingParams
 from worker.attention import use_padded_attention
 from worker.batch import DecodeBatch, ForwardArgs
 from worker.cpu_linear import use_packed_linear
-from tests.conftest import start_stack, stop_stack
+from tests.conftest import free_port, start_stack, stop_stack
 from worker.llama_step import LlamaStep
 
 SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -159,9 +161,9 @@ def test_the_compiled_step_equals_the_forward_without_new_graphs(model_type: str
     """Rows, prompt widths, cache lengths and buffers change from pass to pass (a filter, a merge, buffers that
     fill up and grow): the graphs built at load serve them all, and the passes they do not take run eagerly."""
     model = served_model(model_type, **overrides)
-    forward = ForwardArgs.of(model, compile_model=True)
+    forward = ForwardArgs.of(model)
     step = forward.step
-    assert step is not None and step.compiled is not None
+    assert step is not None and step.compile()
     calls: list[tuple[int, int]] = []  # (rows, new positions) of each compiled pass
     graph = step.compiled
     step.compiled = lambda *args: calls.append(tuple(args[0].shape)) or graph(*args)
@@ -189,24 +191,29 @@ def test_a_step_that_does_not_compile_stays_eager(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(torch, "compile", lambda function, **options: failing)
     model = served_model("llama")
+    forward = ForwardArgs.of(model)
+    assert forward.step is not None
     with caplog.at_level(logging.WARNING, logger="worker.llama_step"):
-        forward = ForwardArgs.of(model, compile_model=True)
-    assert forward.step is not None and forward.step.compiled is None
+        forward.step.compile_behind()
+        forward.step.wait_compiled()
+    assert forward.step.compiled is None
     assert "the model's passes stay eager: torch.compile failed: no C++ compiler found" in caplog.text
     assert_same_steps(model, [[5, 6, 7], [8, 9]], forward=forward)
 
 
-def test_a_compiling_worker_serves_the_same_tokens(redis_url: str, tiny_model_path: Path,
-                                                   tmp_path_factory: pytest.TempPathFactory) -> None:
-    """The served default (COMPILE_MODEL on): a worker compiles its step at start and serves concurrent
-    requests with the same greedy tokens as an eager worker."""
+def test_a_compiling_worker_serves_at_once_then_compiled(redis_url: str, tiny_model_path: Path,
+                                                          tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The served default (COMPILE_MODEL on): a worker is healthy and answers as soon as its model is loaded,
+    eagerly, while it compiles behind; once compiled (its log and its ``ferry_worker_compiled`` gauge say so)
+    it answers concurrent requests with the same greedy tokens. A stop during the compile is a clean one."""
     prompts = ["The river runs", "A small boat", "Under the bridge the water"]
-    generated: dict[str, list[list[int]]] = {}
-    for setting in ("true", "false"):
-        log_dir = tmp_path_factory.mktemp(f"compile-{setting}")
-        # A compile with a cold Inductor cache (a fresh clone, a loaded CI machine) took over 120 s.
-        stack = start_stack(redis_url, tiny_model_path, log_dir, {"COMPILE_MODEL": setting}, health_timeout=360)
-        try:
+    log_dir = tmp_path_factory.mktemp("compile")
+    worker_log = log_dir / "worker0.log"
+    metrics_port = free_port()
+    stack = start_stack(redis_url, tiny_model_path, log_dir,
+                        {"COMPILE_MODEL": "true", "WORKER_METRICS_PORT": str(metrics_port)})
+    try:
+        def generate_all() -> list[list[int]]:
             def generate(prompt: str) -> list[int]:
                 body = {"inputs": prompt, "parameters": {"max_new_tokens": 24, "details": True, "do_sample": False}}
                 answer = httpx.post(f"{stack.base_url}/generate", json=body, timeout=120)
@@ -214,10 +221,35 @@ def test_a_compiling_worker_serves_the_same_tokens(redis_url: str, tiny_model_pa
                 return [token["id"] for token in answer.json()["details"]["tokens"]]
 
             with ThreadPoolExecutor(len(prompts)) as pool:
-                generated[setting] = list(pool.map(generate, prompts))
-        finally:
-            stop_stack(stack)
-        compiled = "compiled the model's decode steps and prompt passes in" in (log_dir / "worker0.log").read_text()
-        assert compiled == (setting == "true")
-    assert generated["true"] == generated["false"]
-    assert all(generated["true"])
+                return list(pool.map(generate, prompts))
+
+        def compiled() -> float:
+            text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
+            return next(sample.value for family in text_string_to_metric_families(text)
+                        for sample in family.samples if sample.name == "ferry_worker_compiled")
+
+        eager = generate_all()
+        log_text = worker_log.read_text()
+        assert "compiling the model's decode steps and prompt passes" in log_text
+        assert "compiled the model's decode steps and prompt passes in" not in log_text  # still compiling
+        assert compiled() == 0
+        # A compile with a cold Inductor cache (a fresh clone, a loaded CI machine) took over 120 s.
+        deadline = time.monotonic() + 400
+        while compiled() != 1:
+            assert time.monotonic() < deadline, "the worker did not finish compiling"
+            time.sleep(1)
+        assert "compiled the model's decode steps and prompt passes in" in worker_log.read_text()
+        assert generate_all() == eager and all(eager)
+    finally:
+        stop_stack(stack)
+    assert stack.processes[0].returncode == 0  # the worker
+
+
+def test_a_worker_stopped_while_it_compiles_stops_cleanly(redis_url: str, tiny_model_path: Path,
+                                                         tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The compile thread does not hold up a stop: the worker exits at once, with status 0."""
+    log_dir = tmp_path_factory.mktemp("compile-stop")
+    stack = start_stack(redis_url, tiny_model_path, log_dir, {"COMPILE_MODEL": "true"})
+    stop_stack(stack)
+    assert "compiled the model's decode steps and prompt passes in" not in (log_dir / "worker0.log").read_text()
+    assert stack.processes[0].returncode == 0  # the worker

@@ -46,11 +46,10 @@ class ForwardArgs:
     step: LlamaStep | None = None  # the model's passes without its forward, where they apply
 
     @classmethod
-    def of(cls, model: PreTrainedModel, compile_model: bool = False) -> "ForwardArgs":
-        """``compile_model``: compile :class:`LlamaStep` where the model has one (:meth:`LlamaStep.compile`)."""
+    def of(cls, model: PreTrainedModel) -> "ForwardArgs":
         declared = inspect.signature(model.forward).parameters
         return cls(accepts_4d_mask(model), "position_ids" in declared, "logits_to_keep" in declared,
-                   LlamaStep.of(model, compile_model))
+                   LlamaStep.of(model))
 
     def takes_step(self, model: PreTrainedModel | PeftModel) -> bool:
         """Whether passes of ``model`` run :attr:`step`: there is one, and the model is not wrapped by peft (an

@@ -329,6 +329,11 @@ class Engine(ABC):
     def kv_budget_tokens(self) -> int:
         """KV-cache tokens this engine has for all requests together."""
 
+    @property
+    def compiled(self) -> bool:
+        """Whether the model's passes run compiled now (an engine may serve eagerly while it compiles)."""
+        return False
+
     def close(self) -> None:
         """Release what the engine holds outside this process (engine processes, devices)."""
 

@@ -12,9 +12,13 @@ on the same values in the same order, so its logits are bit-identical to the mod
 (the same at 1 row; bench/RESULTS.md). It writes new keys and values into the cache's buffers itself
 (:meth:`worker.kv_cache.GrowingCache.reserve`) and returns the last position's logits only.
 
-With ``compile`` (the worker's ``compileModel`` setting, on by default, as vLLM compiles its CPU models), the
-passes are also compiled by ``torch.compile`` with Inductor, at load: the small ops become a few generated C++
-kernels and the products stay oneDNN calls (``torch.ops.ferry.packed_linear``). The logits match the eager
+With the worker's ``compileModel`` setting (on by default, as vLLM compiles its CPU models), the passes are also
+compiled by ``torch.compile`` with Inductor: the small ops become a few generated C++ kernels and the products stay
+oneDNN calls (``torch.ops.ferry.packed_linear``). The compile runs behind the served passes
+(:meth:`LlamaStep.compile_behind`): a worker serves eagerly from the moment its model is loaded, and takes the
+compiled passes when they are ready, so a compile never holds up its health or its first requests. Inductor
+keeps the generated kernels in its cache (``TORCHINDUCTOR_CACHE_DIR``), so a restart on the same machine only
+traces the model again. The logits match the eager
 ones within float rounding (Inductor reorders the RMSNorm's sums). Three graphs, each dynamic in its sizes,
 serve every pass (:data:`COMPILED_SHAPES`); a decode step of one row (its products take MKL's dense path), a
 cache of under two positions or a one-token prompt runs eagerly. Where Inductor cannot compile (no C++ compiler,
@@ -27,13 +31,18 @@ logits or media features run the model's forward.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
+import sys
+import threading
 import time
 from typing import Any
 
 import torch
 import torch.fx.experimental._config as shape_config
 import torch.nn.functional as F
+from torch._inductor.runtime.cache_dir_utils import cache_dir
 from transformers import PreTrainedModel
 
 from worker.attention import PADDED_SDPA, padded_sdpa_attention
@@ -54,10 +63,25 @@ INDUCTOR_OPTIONS: dict[str, Any] = {
 at run time (the worker binds its threads after load, worker/cpu_threads.py) rather than the one at compile time."""
 
 COMPILED_SHAPES = ((2, 1, 2), (1, 2, 0), (2, 2, 0))
-"""(rows, new positions, cached positions) of the pass that builds each graph at load: decode steps, a one-row
+"""(rows, new positions, cached positions) of the pass that builds each graph: decode steps, a one-row
 prompt, a prompt batch. torch.compile gives sizes 0 and 1 graphs of their own and makes every other size a
 symbol, so these three serve any decode step of two rows or more on a cache of two positions or more, and any
 prompt pass of two tokens or more on an empty cache (:meth:`LlamaStep.compiles`)."""
+
+COMPILE_NICENESS = 10
+"""How much lower than the serving threads' the compile thread's CPU priority is (Linux ``nice``): on a worker's
+few cores the eager passes being served go first; Inductor's compile processes, started from that thread,
+inherit it."""
+
+
+COMPILE_CANCEL_SECONDS = 30.0
+"""How long :meth:`LlamaStep.cancel_compile` waits for the compile thread to end (it ends at its next Python
+line, which a kernel build being waited for can hold back)."""
+
+
+class CompileCancelled(BaseException):
+    """Raised in the compile thread to end it (:meth:`LlamaStep.cancel_compile`); a BaseException, so that
+    torch's handlers of ``Exception`` let it through."""
 
 
 def applies(model: PreTrainedModel) -> bool:
@@ -84,15 +108,9 @@ class LlamaStep:
     module docstring."""
 
     @classmethod
-    def of(cls, model: PreTrainedModel, compile: bool = False) -> "LlamaStep | None":
-        """The step for ``model``, or None where it does not apply (:func:`applies`); ``compile``: compiled
-        (:meth:`compile`)."""
-        if not applies(model):
-            return None
-        step = cls(model)
-        if compile:
-            step.compile()
-        return step
+    def of(cls, model: PreTrainedModel) -> "LlamaStep | None":
+        """The step for ``model``, eager, or None where it does not apply (:func:`applies`)."""
+        return cls(model) if applies(model) else None
 
     def __init__(self, model: PreTrainedModel) -> None:
         config = model.config
@@ -101,6 +119,42 @@ class LlamaStep:
         self.kv_heads = config.num_key_value_heads
         self.head_dim = model.model.layers[0].self_attn.head_dim
         self.compiled: Any = None  # the compiled _layers, once compile() succeeded
+        self._compiling: threading.Thread | None = None
+
+    def compile_behind(self) -> None:
+        """Start :meth:`compile` in a thread of its own, at a lower CPU priority (:data:`COMPILE_NICENESS`): the
+        passes run eagerly until it is done, then compiled. Only the graphs' construction runs in that thread,
+        on inputs of its own; the model's modules must not change until :meth:`wait_compiled` returns."""
+        log.info("compiling the model's decode steps and prompt passes (Inductor's cache: %s); the passes run "
+                 "eagerly meanwhile", cache_dir())
+        self._compiling = threading.Thread(target=self._compile_niced, name="ferry-compile", daemon=True)
+        self._compiling.start()
+
+    def wait_compiled(self) -> None:
+        """Return once a compile started by :meth:`compile_behind` has ended (at once when none runs)."""
+        if self._compiling is not None:
+            self._compiling.join()
+
+    def cancel_compile(self) -> None:
+        """End a compile started by :meth:`compile_behind` that still runs, as the worker stops. Python ends no
+        thread from outside, so this raises :class:`CompileCancelled` in it (CPython's
+        ``PyThreadState_SetAsyncExc``); left running into the interpreter's exit, the thread would be killed
+        inside torch's C++ frames, which aborts the process."""
+        thread = self._compiling
+        if thread is None or thread.ident is None or not thread.is_alive():
+            return
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(CompileCancelled))
+        thread.join(COMPILE_CANCEL_SECONDS)
+
+    def _compile_niced(self) -> None:
+        started = time.monotonic()
+        try:
+            if sys.platform == "linux":  # there a thread's priority is its own (``nice`` of its thread id)
+                tid = threading.get_native_id()
+                os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + COMPILE_NICENESS)
+            self.compile()
+        except CompileCancelled:
+            log.info("stopped compiling the model's passes after %.1f s", time.monotonic() - started)
 
     def compile(self) -> bool:
         """Compile the passes and build their graphs (:data:`COMPILED_SHAPES`) on dummy inputs, so that requests
@@ -123,7 +177,8 @@ class LlamaStep:
             log.warning("the model's passes stay eager: torch.compile failed: %s",
                         str(exc).strip().splitlines()[0])
             return False
-        log.info("compiled the model's decode steps and prompt passes in %.1f s", time.monotonic() - started)
+        log.info("compiled the model's decode steps and prompt passes in %.1f s: the compiled passes serve from "
+                 "now on", time.monotonic() - started)
         self.compiled = compiled
         return True
 

@@ -301,6 +301,7 @@ class WorkerLoop:
         for stream, ids in by_stream(running.entry for running in self._inflight.values()).items():
             pipe.xclaim(stream, self.group, self.consumer, 0, ids, justid=True)
         pipe.execute()
+        self.metrics.compiled.set(self.engine.compiled)
         self._next_heartbeat = now + self._heartbeat_every
 
     def status(self) -> WorkerStatus:

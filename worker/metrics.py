@@ -31,6 +31,8 @@ class WorkerMetrics:
         self.waiting = gauge("ferry_worker_waiting_requests", "Requests taken from the stream, not yet admitted")
         self.kv_reserved = gauge("ferry_worker_kv_reserved_tokens", "KV budget held by the running requests")
         gauge("ferry_worker_kv_budget_tokens", "KV budget of the worker (maxBatchTotalTokens)").set(kv_budget_tokens)
+        self.compiled = gauge("ferry_worker_compiled", "1 once the engine runs the model's passes compiled "
+                              "(set at each heartbeat)")
         self.generated = Counter(
             "ferry_worker_generated_tokens", "Tokens generated", ["model"], registry=self.registry
         ).labels(model)

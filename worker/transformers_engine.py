@@ -78,7 +78,9 @@ class TransformersEngine(Engine):
         self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         text_config = model.config.get_text_config(decoder=True)
         self._vocab_size = text_config.vocab_size
-        self._forward = ForwardArgs.of(model, settings.compile_model)
+        self._forward = ForwardArgs.of(model)
+        if settings.compile_model and self._forward.step is not None:
+            self._forward.step.compile_behind()
         limits = [settings.max_seq_len, settings.max_batch_total_tokens]
         if getattr(text_config, "max_position_embeddings", None):
             limits.append(text_config.max_position_embeddings)
@@ -92,6 +94,11 @@ class TransformersEngine(Engine):
         # and which adapters are loaded and used by added (queued or running) requests.
         self._peft: PeftModel | None = None
         self.adapters = AdapterSet(self._load_adapter, self._free_adapter)
+
+    @property
+    def compiled(self) -> bool:
+        """Once the compile behind the served passes is done (:meth:`worker.llama_step.LlamaStep.compile_behind`)."""
+        return self._forward.step is not None and self._forward.step.compiled is not None
 
     @classmethod
     def load(cls, settings: Settings) -> "TransformersEngine":
@@ -143,6 +150,11 @@ class TransformersEngine(Engine):
         log.info("loaded the model at %s in %.1f s (dtype %s, device %s)", path, time.monotonic() - started,
                  str(model.dtype).removeprefix("torch."), device)
         return cls(model, tokenizer, settings, media)
+
+    def close(self) -> None:
+        """End a compile still running behind the served passes (:meth:`worker.llama_step.LlamaStep.cancel_compile`)."""
+        if self._forward.step is not None:
+            self._forward.step.cancel_compile()
 
     # -- admission ---------------------------------------------------------------------------------
 
@@ -234,6 +246,8 @@ class TransformersEngine(Engine):
                 raise ValueError("DoRA adapters cannot share a batch with other requests here")
             device = str(self.model.device)
             if self._peft is None:
+                if self._forward.step is not None:  # peft replaces the layers a running compile traces
+                    self._forward.step.wait_compiled()
                 self._peft = PeftModel.from_pretrained(self.model, path, adapter_name=name, config=config,
                                                        torch_device=device)
             else:

@@ -68,6 +68,7 @@ try:
     import torch
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
     from vllm import EngineArgs, SamplingParams, TokensPrompt
+    from vllm.config import CompilationMode
     from vllm.lora.request import LoRARequest
     from vllm.platforms import current_platform
     from vllm.sampling_params import RequestOutputKind
@@ -322,6 +323,11 @@ class VllmEngine(Engine):
     @property
     def kv_budget_tokens(self) -> int:
         return self._kv_budget
+
+    @property
+    def compiled(self) -> bool:
+        """vLLM compiles before it serves, unless told not to (``enforce_eager``, compilation mode NONE)."""
+        return self._engine.vllm_config.compilation_config.mode != CompilationMode.NONE
 
     def close(self) -> None:
         self._engine.engine_core.shutdown()
