@@ -240,6 +240,8 @@ async def _stream(ctx: ServerContext, request: GenerationRequest, shape: Shape, 
                   continuous_usage: bool) -> Response:
     """Queue the request (failures answer with a status), then stream: the opening chunks, one chunk per
     non-empty text delta, the closing chunk with the finish reason, the usage chunk when asked for, ``[DONE]``.
+    The opening goes out with the first token, as vLLM sends it: benchmarks (vLLM's ``bench serve``) time the
+    first token by the first chunk with choices, so a role chunk sent on queueing would report no prefill time.
     With ``continuous_usage`` (vLLM's ``continuous_usage_stats``) every chunk carries the usage so far, which
     benchmarks read per token: the prompt as queued (a multimodal prompt's media expand in the worker, so its
     count is exact from the last token's chunk on) and the tokens generated up to the chunk."""
@@ -253,9 +255,11 @@ async def _stream(ctx: ServerContext, request: GenerationRequest, shape: Shape, 
                 chunk.usage = so_far
             return _chunk_json(chunk, include_usage)
 
-        for chunk in shape.opening():
-            yield chunk_json(chunk)
+        opening = shape.opening()
         async for event in events:
+            for chunk in opening:
+                yield chunk_json(chunk)
+            opening = []
             so_far = _usage(event.finish) if event.finish else _tally(so_far.prompt_tokens, event.index + 1)
             if event.token.text:
                 yield chunk_json(shape.delta(event.token.text))

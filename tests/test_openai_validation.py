@@ -808,6 +808,21 @@ def test_failure_after_the_stream_started_is_a_last_error_event(
     assert "Hel" in json.dumps(events[-2])
 
 
+def test_chat_role_chunk_goes_out_with_the_first_token(chat_client: TestClient,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """As vLLM: the role chunk waits for the first token (vLLM's ``bench serve`` times the first token by the
+    first chunk with choices), so a request that fails before its first token streams the error alone."""
+
+    async def failing(ctx, request):
+        return FakeSubmission(ctx, [], PipelineError("the worker died", "generation"))
+
+    patch_submit(monkeypatch, failing)
+    response = post(chat_client, CHAT, chat_body(stream=True))
+    assert response.status_code == 200
+    assert sse_data(response.text) == [{"error": {"message": "the worker died", "type": "server_error",
+                                                  "param": None, "code": "generation"}}]
+
+
 @pytest.mark.parametrize(("error_type", "status", "openai_type"), [
     ("generation", 500, "server_error"),
     ("incomplete_generation", 500, "server_error"),
