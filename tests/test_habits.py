@@ -1,0 +1,106 @@
+"""What a vLLM or TGI user types works, and nothing of it is silently ignored: their env names read as Ferry's
+settings (two names of one setting that disagree stop the start), and settings handed to a child process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from common.settings import ConfigError, Settings, load_settings, setting_names, settings_env
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No env name of any setting from the developer's environment (or conftest's COMPILE_MODEL)."""
+    monkeypatch.delenv("FERRY_CONFIG", raising=False)
+    for field in Settings.model_fields:
+        for name in setting_names(field):
+            monkeypatch.delenv(name, raising=False)
+            monkeypatch.delenv(name.upper(), raising=False)
+
+
+# --------------------------------------------------------------------------------------------- env aliases
+
+
+@pytest.mark.parametrize(
+    ("env", "value", "field", "expected"),
+    [
+        ("API_KEY", "k1", "api_keys", ["k1"]),  # TGI's launcher
+        ("VLLM_API_KEY", "k1", "api_keys", ["k1"]),  # vLLM's server
+        ("MODEL_ID", "/models/m", "model_path", Path("/models/m")),  # TGI
+        ("SERVED_MODEL_NAME", "m", "model_name", "m"),  # TGI
+        ("MAX_MODEL_LEN", "512", "max_seq_len", 512),  # vLLM's max_model_len
+        ("MAX_TOTAL_TOKENS", "512", "max_seq_len", 512),  # TGI
+        ("MAX_INPUT_TOKENS", "100", "max_input_token_len", 100),  # TGI
+        ("MAX_INPUT_LENGTH", "100", "max_input_token_len", 100),  # TGI before 2.0
+        ("MAX_BATCH_PREFILL_TOKENS", "1000", "max_prefill_tokens", 1000),  # TGI
+        ("MAX_CONCURRENT_REQUESTS", "7", "max_link_num", 7),  # TGI
+        ("DTYPE", "half", "dtype", "float16"),  # vLLM's names of two dtypes
+        ("DTYPE", "float", "dtype", "float32"),
+    ],
+)
+def test_a_vllm_or_tgi_env_name_sets_the_setting(
+    monkeypatch: pytest.MonkeyPatch, env: str, value: str, field: str, expected: Any
+) -> None:
+    monkeypatch.setenv(env, value)
+    got = getattr(load_settings(), field)
+    assert ([key.get_secret_value() for key in got] if field == "api_keys" else got) == expected
+
+
+def test_two_names_of_one_setting_that_disagree_stop_the_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both conflicts named at once; the values are not (one may be a key)."""
+    monkeypatch.setenv("MAX_MODEL_LEN", "4096")
+    monkeypatch.setenv("MAX_TOTAL_TOKENS", "2048")
+    monkeypatch.setenv("API_KEYS", "secret-one")
+    monkeypatch.setenv("VLLM_API_KEY", "secret-two")
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+    message = str(info.value)
+    assert ("env MAX_MODEL_LEN and MAX_TOTAL_TOKENS give `BackendConfig.ModelDeployConfig.maxSeqLen` different "
+            "values; set one of them") in message
+    assert "env API_KEYS and VLLM_API_KEY give `ServerConfig.apiKeys` different values" in message
+    assert "secret" not in message and "4096" not in message
+
+
+def test_two_names_of_one_setting_that_agree_are_fine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MAX_SEQ_LEN", "512")
+    monkeypatch.setenv("MAX_MODEL_LEN", "512")
+    assert load_settings().max_seq_len == 512
+
+
+def test_a_bad_value_under_an_alias_names_every_env_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MAX_TOTAL_TOKENS", "many")
+    with pytest.raises(ConfigError, match=r"`BackendConfig.ModelDeployConfig.maxSeqLen` \(env MAX_SEQ_LEN / "
+                                          r"MAX_MODEL_LEN / MAX_TOTAL_TOKENS\): .*valid integer"):
+        load_settings()
+
+
+def test_a_command_line_value_wins_over_an_alias(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MAX_MODEL_LEN", "4096")
+    assert load_settings(max_seq_len=64).max_seq_len == 64
+
+
+# ------------------------------------------------------------------------------- what reaches the workers
+
+
+def test_settings_env_gives_a_child_the_parents_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command line's values land in Ferry's env names, and the other names of those settings (vLLM's, TGI's,
+    the camelCase key) leave, so that the child reads what the parent has instead of refusing a conflict."""
+    environ = {"MAX_MODEL_LEN": "4096", "maxSeqLen": "4096", "MODEL_ID": "/models/env", "API_KEY": "old",
+               "MAX_QUEUE_SIZE": "9", "UNRELATED": "kept"}
+    given = {"max_seq_len": 64, "model_path": Path("/models/cli"), "api_keys": ["k1", "k2"],
+             "trust_remote_code": True, "vllm_engine_args": {"tensor_parallel_size": 2},
+             "chat_template": "{{ messages }}"}
+    env = settings_env(environ, given)
+    assert env == {"MAX_QUEUE_SIZE": "9", "UNRELATED": "kept", "MAX_SEQ_LEN": "64", "MODEL_PATH": "/models/cli",
+                   "API_KEYS": "k1,k2", "TRUST_REMOTE_CODE": "true",
+                   "VLLM_ENGINE_ARGS": '{"tensor_parallel_size": 2}', "CHAT_TEMPLATE": "{{ messages }}"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    child = load_settings()
+    assert (child.max_seq_len, child.model_path, child.trust_remote_code) == (64, Path("/models/cli"), True)
+    assert [key.get_secret_value() for key in child.api_keys] == ["k1", "k2"]
+    assert (child.vllm_engine_args, child.chat_template, child.max_queue_size) == ({"tensor_parallel_size": 2},
+                                                                                  "{{ messages }}", 9)
