@@ -1,14 +1,19 @@
 """What a vLLM or TGI user types works, and nothing of it is silently ignored: their env names read as Ferry's
-settings (two names of one setting that disagree stop the start), and settings handed to a child process."""
+settings (two names of one setting that disagree stop the start), settings handed to a child process, and the
+warning about env vars that look like settings but are not read."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from common.look_alikes import UNREAD, look_alike_warnings, vllm_env_names, warn_look_alikes
 from common.settings import ConfigError, Settings, load_settings, setting_names, settings_env
+
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 @pytest.fixture(autouse=True)
@@ -104,3 +109,48 @@ def test_settings_env_gives_a_child_the_parents_values(monkeypatch: pytest.Monke
     assert [key.get_secret_value() for key in child.api_keys] == ["k1", "k2"]
     assert (child.vllm_engine_args, child.chat_template, child.max_queue_size) == ({"tensor_parallel_size": 2},
                                                                                   "{{ messages }}", 9)
+
+
+# --------------------------------------------------------------------------------------------- look-alikes
+
+
+def test_look_alikes_are_named_with_what_to_use_instead(caplog: pytest.LogCaptureFixture) -> None:
+    environ = {"NUM_SHARD": "2", "QUANTIZE": "awq", "MAX_BEST_OF": "2", "MAX_NUM_SEQS": "4",
+               "MAX_BATCH_SIZES": "4", "maxBatchSizes": "4", "PATH": "/bin", "HOSTNAME": "pod-1",
+               "REDIS_PORT": "tcp://10.0.0.1:6379", "MAX_TOTAL_TOKENS": "512", "MAX_BATCH_SIZE": "4",
+               "FERRY_HOME": "/tmp"}
+    with caplog.at_level(logging.WARNING, logger="ferry.settings"):
+        warn_look_alikes(environ)
+    assert [record.getMessage() for record in caplog.records] == [
+        "env MAX_BATCH_SIZES is not read by Ferry (did you mean MAX_BATCH_SIZE?)",
+        "env MAX_BEST_OF is not read by Ferry; instead: none: best_of is always 1",
+        "env MAX_NUM_SEQS is not read by Ferry; instead: MAX_BATCH_SIZE (ferry-server --max-num-seqs)",
+        "env NUM_SHARD is not read by Ferry; instead: ENGINE=vllm and VLLM_ENGINE_ARGS {\"tensor_parallel_size\": "
+        "N} (ferry-server --tensor-parallel-size N)",
+        "env QUANTIZE is not read by Ferry; instead: ENGINE=vllm and VLLM_ENGINE_ARGS {\"quantization\": ...}",
+        "env maxBatchSizes is not read by Ferry (did you mean maxBatchSize?)",
+    ]
+
+
+def test_vllm_names_are_checked_against_vllms_own_list() -> None:
+    """vLLM's own env vars (VLLM_CPU_KVCACHE_SPACE) and Ferry's (VLLM_ENGINE_ARGS, VLLM_API_KEY) pass; a
+    VLLM_* name neither reads is named, with the Ferry name it is close to."""
+    read_by_vllm = vllm_env_names()
+    assert read_by_vllm and "VLLM_CPU_KVCACHE_SPACE" in read_by_vllm  # the test environment installs vLLM
+    environ = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_LOGGING_LEVEL": "INFO", "VLLM_ENGINE_ARGS": "{}",
+               "VLLM_API_KEY": "k", "VLLM_MAX_MODEL_LEN": "512", "VLLM_ENGINE_ARG": "{}"}
+    assert look_alike_warnings(environ) == [
+        "env VLLM_ENGINE_ARG is not read by Ferry and vLLM does not read it either (did you mean VLLM_ENGINE_ARGS?)",
+        "env VLLM_MAX_MODEL_LEN is not read by Ferry and vLLM does not read it either",
+    ]
+
+
+def test_the_readme_lists_every_alias_and_look_alike() -> None:
+    """README "Coming from vLLM or TGI" is the documented list."""
+    readme = README.read_text()
+    section = readme[readme.index("### Coming from vLLM or TGI"):]
+    section = section[:section.index("\n## ")]
+    aliases = [name for field in Settings.model_fields for name in setting_names(field)[2:]]
+    assert aliases and UNREAD
+    for name in [*aliases, *UNREAD]:
+        assert f"`{name}`" in section, name
