@@ -1,16 +1,21 @@
 """What a vLLM or TGI user types works, and nothing of it is silently ignored: their env names read as Ferry's
-settings (two names of one setting that disagree stop the start), settings handed to a child process, and the
-warning about env vars that look like settings but are not read."""
+settings (two names of one setting that disagree stop the start), ``ferry-server``'s vLLM and TGI options, the
+settings given on its command line reaching its workers, and the warning about env vars that look like settings
+but are not read. tests/test_embedded.py serves a request through ``ferry-server --model --api-key
+--max-model-len``."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import server.embedded
 from common.look_alikes import UNREAD, look_alike_warnings, vllm_env_names, warn_look_alikes
+from common.process import command_parser
 from common.settings import ConfigError, Settings, load_settings, setting_names, settings_env
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -109,6 +114,96 @@ def test_settings_env_gives_a_child_the_parents_values(monkeypatch: pytest.Monke
     assert [key.get_secret_value() for key in child.api_keys] == ["k1", "k2"]
     assert (child.vllm_engine_args, child.chat_template, child.max_queue_size) == ({"tensor_parallel_size": 2},
                                                                                   "{{ messages }}", 9)
+
+
+# --------------------------------------------------------------------------------------------- the options
+
+
+def parse(*argv: str) -> dict[str, Any]:
+    """The settings ferry-server's command line sets."""
+    parser = command_parser("ferry-server", "test")
+    server.embedded.add_setting_options(parser)
+    return server.embedded.setting_overrides(parser, parser.parse_args(argv))
+
+
+def test_vllm_serve_options(tmp_path: Path) -> None:
+    template = tmp_path / "chat.jinja"
+    template.write_text("{{ messages[0].content }}")
+    given = parse("/models/m", "--served-model-name", "m", "--api-key", "k1", "--api-key", "k2", "--host",
+                  "0.0.0.0", "--port", "9000", "--max-model-len", "512", "--chat-template", str(template),
+                  "--dtype", "half", "--trust-remote-code", "--max-num-seqs", "4")
+    assert given == {"model_path": "/models/m", "model_name": "m", "api_keys": ["k1", "k2"], "host": "0.0.0.0",
+                     "port": 9000, "max_seq_len": 512, "chat_template": str(template), "dtype": "half",
+                     "trust_remote_code": True, "max_batch_size": 4}
+    settings = load_settings(**given)
+    assert (settings.served_model_name, settings.dtype, settings.max_seq_len) == ("m", "float16", 512)
+    assert settings.chat_template == "{{ messages[0].content }}"
+    assert parse("--model", "/models/m") == {"model_path": "/models/m"}
+
+
+def test_tgi_launcher_options() -> None:
+    given = parse("--model-id", "/models/m", "--hostname", "0.0.0.0", "--max-total-tokens", "512",
+                  "--max-input-tokens", "100", "--max-batch-size", "4", "--max-batch-prefill-tokens", "1000",
+                  "--max-batch-total-tokens", "8000", "--max-concurrent-requests", "7", "--api-key", "k1")
+    settings = load_settings(**given)
+    assert (settings.model_path, settings.host, settings.max_seq_len) == (Path("/models/m"), "0.0.0.0", 512)
+    assert (settings.max_input_token_len, settings.max_batch_size, settings.max_prefill_tokens) == (100, 4, 1000)
+    assert (settings.max_batch_total_tokens, settings.max_link_num) == (8000, 7)
+    assert [key.get_secret_value() for key in settings.api_keys] == ["k1"]
+    assert parse("--max-input-length", "100") == {"max_input_token_len": 100}
+
+
+def test_no_option_sets_nothing() -> None:
+    assert parse() == {}
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["/models/a", "--model", "/models/b"], "argument MODEL/--model/--model-path/--model-id: given different "
+                                                "values /models/a, /models/b; give one"),
+        (["--max-model-len", "512", "--max-total-tokens", "1024"],
+         "argument --max-model-len/--max-total-tokens: given different values 512, 1024"),
+        (["--served-model-name", "a", "b"], "argument --served-model-name: given different values a, b"),
+    ],
+)
+def test_options_of_one_setting_that_disagree_are_refused(
+    argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as done:
+        parse(*argv)
+    assert done.value.code == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_options_of_one_setting_that_agree_are_fine() -> None:
+    assert parse("/models/a", "--model", "/models/a", "--max-model-len", "9", "--max-total-tokens", "9") == {
+        "model_path": "/models/a", "max_seq_len": 9}
+
+
+def tensor_parallel(*argv: str) -> dict[str, Any]:
+    parser = command_parser("ferry-server", "test")
+    server.embedded.add_setting_options(parser)
+    args = parser.parse_args(argv)
+    return server.embedded.with_tensor_parallel(parser, args, load_settings(**server.embedded.setting_overrides(
+        parser, args)))
+
+
+def test_tensor_parallel_size_goes_into_the_vllm_engine_args(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_ENGINE_ARGS", json.dumps({"gpu_memory_utilization": 0.5}))
+    expected = {"vllm_engine_args": {"gpu_memory_utilization": 0.5, "tensor_parallel_size": 2}}
+    assert tensor_parallel("--engine", "vllm", "--tensor-parallel-size", "2") == expected
+    assert tensor_parallel("--engine", "vllm", "-tp", "2") == expected
+    assert tensor_parallel("--engine", "vllm", "--num-shard", "2") == expected  # TGI's name
+    assert tensor_parallel("--tensor-parallel-size", "1") == {}  # the built-in engine: one device, as asked
+
+
+def test_tensor_parallel_size_is_refused_with_the_built_in_engine(capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused by the command before it starts anything."""
+    with pytest.raises(SystemExit) as done:
+        server.embedded.main(["--tensor-parallel-size", "2"])
+    assert done.value.code == 2
+    assert "--tensor-parallel-size: 2 needs the vllm engine (--engine vllm)" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------------------------- look-alikes
