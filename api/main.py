@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import ssl
 import sys
@@ -14,6 +15,7 @@ import uvicorn
 
 from api.app import create_app
 from common.logs import configure_logging
+from common.look_alikes import warn_look_alikes
 from common.model_files import ModelUnavailable, model_file
 from common.process import command_parser, freeze_startup_heap
 from common.protocol import ErrorEvent
@@ -87,6 +89,7 @@ def api_server(settings: Settings, prog: str) -> uvicorn.Server:
     """The API app under uvicorn, for :func:`run_server`; ``server.should_exit = True`` stops it from any
     thread, as does ``GET /stopService`` (through ``app.state.stop_server``)."""
     configure_logging(settings.log_format, settings.log_level)
+    warn_look_alikes(os.environ)
     check_models(settings, prog)
     app = create_app(settings)
     freeze_startup_heap()

@@ -27,7 +27,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 from typing import Annotated, Any, Literal
@@ -46,7 +46,13 @@ from pydantic import (
 )
 from common import mindie_config
 from common.protocol import ADAPTER_NAME_PATTERN
-from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 EngineName = Literal["transformers", "vllm"]
 Section = Literal["ServerConfig", "LogConfig", "BackendConfig", "ScheduleConfig", "ModelDeployConfig"]
@@ -78,10 +84,11 @@ class ConfigError(ValueError):
     """The configuration cannot be used; the message names the key at fault."""
 
 
-def _spec(section: Section | None, key: str, env: str) -> dict[str, Any]:
-    """Field options of one setting: its camelCase key (config file), its env var, and its file section
-    (None: the flat form and env only, e.g. the model of a single-model deployment)."""
-    return {"validation_alias": AliasChoices(key, env), "json_schema_extra": {"section": section, "env": env}}
+def _spec(section: Section | None, key: str, env: str, *aliases: str) -> dict[str, Any]:
+    """Field options of one setting: its camelCase key (config file), its env var, its file section (None: the
+    flat form and env only, e.g. the model of a single-model deployment), and the env names vLLM or TGI users
+    set for the same thing (README "Coming from vLLM or TGI"), read as the env var is."""
+    return {"validation_alias": AliasChoices(key, env, *aliases), "json_schema_extra": {"section": section, "env": env}}
 
 
 def default_model_dir() -> Path:
@@ -150,6 +157,24 @@ def _setting_keys() -> dict[str, tuple[str | None, str, str]]:
         assert isinstance(key, str)
         result[key] = (extra["section"], str(extra["env"]), name)
     return result
+
+
+def _key_path(key: str) -> str:
+    """Where a camelCase key sits in the config file, e.g. ``BackendConfig.ScheduleConfig.maxBatchSize``."""
+    section = _setting_keys().get(key, (None, "", ""))[0]
+    return ".".join([*SECTION_PATHS.get(section or "", ()), key])
+
+
+def setting_names(name: str) -> list[str]:
+    """Every name the setting whose field is ``name`` is read by: its camelCase key, then its env vars."""
+    alias = Settings.model_fields[name].validation_alias
+    assert isinstance(alias, AliasChoices)
+    return [str(choice) for choice in alias.choices]
+
+
+def env_names(name: str) -> list[str]:
+    """The env vars of the setting whose field is ``name``: Ferry's, then vLLM's and TGI's names for it."""
+    return setting_names(name)[1:]
 
 
 def _unknown(path: str, key: str, known: list[str]) -> str:
@@ -275,6 +300,23 @@ class _JsonConfigSource(PydanticBaseSettingsSource):
             raise ConfigError(f"{path}: {exc}") from None
 
 
+class _EnvSource(EnvSettingsSource):
+    """The env vars, refusing a setting given by two of its env names (e.g. vLLM's MAX_MODEL_LEN and TGI's
+    MAX_TOTAL_TOKENS) with different values: which one pydantic would read is not for the user to guess."""
+
+    def __call__(self) -> dict[str, Any]:
+        errors = []
+        for field in self.settings_cls.model_fields:
+            names = setting_names(field)
+            given = {name: self.env_vars[name.lower()] for name in names if name.lower() in self.env_vars}
+            if len(set(given.values())) > 1:  # the values are not named: one may be an API key
+                errors.append(f"env {' and '.join(given)} give `{_key_path(names[0])}` different values; "
+                              "set one of them")
+        if errors:
+            raise ConfigError("; ".join(errors))
+        return super().__call__()
+
+
 class Settings(BaseSettings):
     """Every tunable of API pods and workers; one instance lives in each app/worker context."""
 
@@ -282,8 +324,8 @@ class Settings(BaseSettings):
 
     # The model this process serves (a worker), or the default one (an API pod: TGI routes serve it).
     # With ModelConfig, MODEL_NAME picks an entry (default: the first) and the path comes from it.
-    model_path: Path | None = Field(None, **_spec(None, "modelWeightPath", "MODEL_PATH"))
-    model_name: str | None = Field(None, **_spec(None, "modelName", "MODEL_NAME"))
+    model_path: Path | None = Field(None, **_spec(None, "modelWeightPath", "MODEL_PATH", "MODEL_ID"))
+    model_name: str | None = Field(None, **_spec(None, "modelName", "MODEL_NAME", "SERVED_MODEL_NAME"))
     models: list[ModelEntry] = Field(
         default_factory=list, description="every model of the deployment; API pods serve them all",
         **_spec("ModelDeployConfig", "ModelConfig", "MODEL_CONFIG"),
@@ -351,7 +393,7 @@ class Settings(BaseSettings):
     )
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list, description="accepted `Authorization: Bearer` keys; empty: no auth",
-        **_spec("ServerConfig", "apiKeys", "API_KEYS"),
+        **_spec("ServerConfig", "apiKeys", "API_KEYS", "API_KEY", "VLLM_API_KEY"),
     )
     allow_open_stop_service: bool = Field(
         False, description="serve GET /stopService to anyone when neither apiKeys nor a managementPort guards it "
@@ -383,9 +425,12 @@ class Settings(BaseSettings):
 
     # Request limits (SPEC.md, section "Server configuration")
     max_iter_times: int = Field(512, gt=0, **_spec("ScheduleConfig", "maxIterTimes", "MAX_ITER_TIMES"))
-    max_seq_len: int = Field(2048, gt=1, **_spec("ModelDeployConfig", "maxSeqLen", "MAX_SEQ_LEN"))
+    max_seq_len: int = Field(
+        2048, gt=1, **_spec("ModelDeployConfig", "maxSeqLen", "MAX_SEQ_LEN", "MAX_MODEL_LEN", "MAX_TOTAL_TOKENS")
+    )
     max_input_token_len: int = Field(
-        2047, gt=0, **_spec("ModelDeployConfig", "maxInputTokenLen", "MAX_INPUT_TOKEN_LEN")
+        2047, gt=0,
+        **_spec("ModelDeployConfig", "maxInputTokenLen", "MAX_INPUT_TOKEN_LEN", "MAX_INPUT_TOKENS", "MAX_INPUT_LENGTH"),
     )
     truncation: int = Field(
         0, description="0: reject over-long input (the only mode built)",
@@ -406,7 +451,9 @@ class Settings(BaseSettings):
 
     # Reliability (docs/reliability.md)
     max_queue_size: int = Field(1024, gt=0, **_spec("ScheduleConfig", "maxQueueSize", "MAX_QUEUE_SIZE"))
-    max_link_num: int = Field(1000, gt=0, **_spec("ServerConfig", "maxLinkNum", "MAX_LINK_NUM"))
+    max_link_num: int = Field(
+        1000, gt=0, **_spec("ServerConfig", "maxLinkNum", "MAX_LINK_NUM", "MAX_CONCURRENT_REQUESTS")
+    )
     e2e_timeout: float = Field(600.0, gt=0, **_spec("ServerConfig", "e2eTimeout", "E2E_TIMEOUT"))
     token_timeout: float = Field(600.0, gt=0, **_spec("ServerConfig", "tokenTimeout", "TOKEN_TIMEOUT"))
     max_request_length: int = Field(
@@ -455,7 +502,7 @@ class Settings(BaseSettings):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("float32", **_spec("BackendConfig", "dtype", "DTYPE"))
     max_batch_size: int = Field(32, gt=0, **_spec("ScheduleConfig", "maxBatchSize", "MAX_BATCH_SIZE"))
     max_prefill_tokens: int = Field(
-        8192, gt=0, **_spec("ScheduleConfig", "maxPrefillTokens", "MAX_PREFILL_TOKENS")
+        8192, gt=0, **_spec("ScheduleConfig", "maxPrefillTokens", "MAX_PREFILL_TOKENS", "MAX_BATCH_PREFILL_TOKENS")
     )
     max_prefill_batch_size: int = Field(
         8, ge=0, description="0: maxBatchSize (MindIE's rule)",
@@ -485,6 +532,12 @@ class Settings(BaseSettings):
         if kind not in ("cpu", "cuda", "npu"):
             raise ValueError("device must be cpu, cuda[:n] or npu[:n]")
         return value
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _vllm_dtype_names(cls, value: Any) -> Any:
+        """vLLM's other names of two dtypes (``--dtype half``, ``float``)."""
+        return {"half": "float16", "float": "float32"}.get(value, value) if isinstance(value, str) else value
 
     @field_validator("cpu_threads_bind")
     @classmethod
@@ -644,7 +697,7 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, _JsonConfigSource(settings_cls))
+        return (init_settings, _EnvSource(settings_cls), _JsonConfigSource(settings_cls))
 
 
 def _describe(error: Any) -> str:
@@ -657,14 +710,30 @@ def _describe(error: Any) -> str:
     key = loc[0]
     if key not in keys:  # given by field name (a command-line option)
         key = next((k for k, (_, _, name) in keys.items() if name == key), key)
-    section, env, _ = keys.get(key, (None, "", ""))
-    dotted = ".".join([*SECTION_PATHS.get(section or "", ()), key]) + "".join(
-        f"[{part}]" if part.isdigit() else f".{part}" for part in loc[1:]
-    )
+    _, _, name = keys.get(key, (None, "", ""))
+    dotted = _key_path(key) + "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in loc[1:])
     given = f" (given {error['input']!r})" if "input" in error and not isinstance(error["input"], (dict, list)) else ""
     if key == "apiKeys":
         given = ""  # never echo secrets
-    return f"`{dotted}`" + (f" (env {env})" if env else "") + f": {message}{given}"
+    return f"`{dotted}`" + (f" (env {' / '.join(env_names(name))})" if name else "") + f": {message}{given}"
+
+
+def _env_value(value: Any) -> str:
+    """A setting's value as its env var holds it: a list comma separated (API_KEYS' form), a number, bool or
+    object as JSON."""
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return str(value) if isinstance(value, (str, Path)) else json.dumps(value)
+
+
+def settings_env(environ: Mapping[str, str], values: dict[str, Any]) -> dict[str, str]:
+    """``environ`` with ``values`` (settings by field name) in their env vars, for a child process to read them
+    as this one has them: without the settings' other names (vLLM's, TGI's, the camelCase key), which could
+    disagree."""
+    given = {alias.lower() for name in values for alias in setting_names(name)}
+    env = {key: value for key, value in environ.items() if key.lower() not in given}
+    env.update({env_names(name)[0]: _env_value(value) for name, value in values.items()})
+    return env
 
 
 def load_settings(**overrides: Any) -> Settings:

@@ -5,7 +5,9 @@ one is on PATH, else an in-process fakeredis TCP server. It makes the tiny model
 path is given, starts the worker process(es), and serves the API in the foreground. SIGINT and SIGTERM stop
 all of it, the API first (open streams drain), then the workers, then Redis; a worker that exits on its own
 (a model that cannot load, a crash) stops all of it too, with exit status 1. Its child processes die with it
-even when it is killed outright (:func:`common.process.child_process`).
+even when it is killed outright (:func:`common.process.child_process`). It takes ``vllm serve``'s and TGI's
+options for the settings they share with Ferry (README "Coming from vLLM or TGI"); the settings given as
+options reach its workers through their env vars.
 With ``--redis-url`` (or REDIS_URL) it uses that Redis instead; ``ferry-api`` and ``ferry-worker`` then
 scale out as separate processes against the same Redis.
 """
@@ -26,14 +28,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import get_args
+from typing import Any, get_args
 
 import redis
 
 from api.main import api_server, run_server
 from common.logs import configure_logging
 from common.process import child_process, command_parser, stop_processes
-from common.settings import EngineName, Settings, settings_or_exit
+from common.settings import EngineName, Settings, settings_env, settings_or_exit
 from worker.tiny_model import ensure_tiny_model
 
 log = logging.getLogger("ferry.server")
@@ -153,10 +155,11 @@ class WorkerProcesses:
         stop_processes(self._procs, self._grace)
 
 
-def serve_all(settings: Settings, redis_url: str | None, redis_kind: str, redis_port: int | None,
-              workers: int) -> str | None:
+def serve_all(settings: Settings, given: dict[str, Any], redis_url: str | None, redis_kind: str,
+              redis_port: int | None, workers: int) -> str | None:
     """Run Redis (unless ``redis_url``), the workers and the API until a signal or a worker's exit stops them;
-    returns what stopped them when it was a worker, else None."""
+    returns what stopped them when it was a worker, else None. ``given``: the settings set on the command line,
+    which reach the workers through their env vars, as the rest of their settings do."""
     redis_cm = contextlib.nullcontext(redis_url) if redis_url else embedded_redis(redis_kind, redis_port)
     with redis_cm as url:
         settings = settings.model_copy(update={"redis_url": url})
@@ -165,12 +168,96 @@ def serve_all(settings: Settings, redis_url: str | None, redis_kind: str, redis_
         def stop_server() -> None:
             server.should_exit = True
 
-        envs = [{**os.environ, "REDIS_URL": url, "MODEL_PATH": str(entry.path), "MODEL_NAME": entry.name,
-                 "ENGINE": settings.engine}
+        envs = [settings_env(os.environ, {**given, "redis_url": url, "model_path": entry.path,
+                                          "model_name": entry.name, "engine": settings.engine})
                 for entry in settings.served_models for _ in range(workers)]
         with WorkerProcesses(envs, settings.shutdown_grace_seconds, stop_server) as procs:
             run_server(server)
         return procs.failure
+
+
+# ferry-server's options for settings: flags, setting, add_argument's options. vLLM's (`vllm serve`) and TGI's
+# (`text-generation-launcher`) names are beside Ferry's where they mean the same (README "Coming from vLLM or
+# TGI"); the flags of one setting may be given more than once, all with one value.
+SETTING_OPTIONS: tuple[tuple[tuple[str, ...], str, dict[str, Any]], ...] = (
+    (("--model", "--model-path", "--model-id"), "model_path",
+     {"metavar": "MODEL", "help": "the same as MODEL (vLLM's --model, TGI's --model-id); overrides MODEL_PATH"}),
+    (("--served-model-name",), "model_name",
+     {"metavar": "NAME", "nargs": "+", "action": "extend",
+      "help": "the name clients give for the model (one); overrides MODEL_NAME; default: the model folder's name"}),
+    (("--host", "--hostname"), "host", {"help": "overrides HOST"}),
+    (("--port",), "port", {"type": int, "help": "overrides PORT"}),
+    (("--max-model-len", "--max-total-tokens"), "max_seq_len",
+     {"type": int, "metavar": "N", "help": "prompt + generated tokens per request; overrides MAX_SEQ_LEN"}),
+    (("--max-input-tokens", "--max-input-length"), "max_input_token_len",
+     {"type": int, "metavar": "N", "help": "prompt tokens per request; overrides MAX_INPUT_TOKEN_LEN"}),
+    (("--max-num-seqs", "--max-batch-size"), "max_batch_size",
+     {"type": int, "metavar": "N", "help": "running requests per worker; overrides MAX_BATCH_SIZE"}),
+    (("--max-batch-prefill-tokens",), "max_prefill_tokens",
+     {"type": int, "metavar": "N", "help": "prompt tokens per prefill pass; overrides MAX_PREFILL_TOKENS"}),
+    (("--max-batch-total-tokens",), "max_batch_total_tokens",
+     {"type": int, "metavar": "N", "help": "KV budget per worker; overrides MAX_BATCH_TOTAL_TOKENS"}),
+    (("--max-concurrent-requests",), "max_link_num",
+     {"type": int, "metavar": "N", "help": "concurrent requests of the API; overrides MAX_LINK_NUM"}),
+    (("--chat-template",), "chat_template",
+     {"help": "chat template file or inline Jinja for /v1/chat/completions; overrides CHAT_TEMPLATE"}),
+    (("--dtype",), "dtype",
+     {"choices": ["auto", "float32", "float", "float16", "half", "bfloat16"], "help": "overrides DTYPE"}),
+    (("--trust-remote-code",), "trust_remote_code",
+     {"action": "store_const", "const": True, "help": "run the model folder's own code; overrides TRUST_REMOTE_CODE"}),
+    (("--engine",), "engine",
+     {"choices": get_args(EngineName), "help": "the workers' engine; overrides ENGINE (default transformers; "
+      "README \"Engines\")"}),
+)
+
+
+def add_setting_options(parser: argparse.ArgumentParser) -> None:
+    """The options of :data:`SETTING_OPTIONS`, MODEL, ``--api-key`` and ``--tensor-parallel-size``."""
+    parser.add_argument("model", nargs="?", metavar="MODEL", help="model folder or Hugging Face model id, as `vllm "
+                        "serve MODEL`; default: the tiny model, made if missing")
+    for flags, name, options in SETTING_OPTIONS:
+        parser.add_argument(*flags, dest=name, **{"action": "append", **options})
+    # One key an option, repeated for several (TGI's form): vLLM's `--api-key K1 K2` form would take a MODEL
+    # written after it for a key
+    parser.add_argument("--api-key", action="append", dest="api_keys", metavar="KEY",
+                        help="a key clients must send as `Authorization: Bearer KEY`, repeated for several; overrides "
+                        "API_KEYS (which keeps the keys out of the process list)")
+    parser.add_argument("--tensor-parallel-size", "-tp", "--num-shard", type=int, action="append", metavar="N",
+                        help="devices per model (the vllm engine's tensor_parallel_size, in VLLM_ENGINE_ARGS); only 1 "
+                        "with the built-in engine")
+
+
+def _one_value(parser: argparse.ArgumentParser, flags: tuple[str, ...], values: list[Any]) -> Any:
+    """The value the flags of one setting give (None: not given); two different ones stop the command."""
+    distinct = list(dict.fromkeys(values))
+    if len(distinct) > 1:
+        parser.error(f"argument {'/'.join(flags)}: given different values {', '.join(map(str, distinct))}; give one")
+    return distinct[0] if distinct else None
+
+
+def setting_overrides(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
+    """The settings the command line sets (by field name), from :func:`add_setting_options`' options."""
+    overrides: dict[str, Any] = {"api_keys": args.api_keys}
+    for flags, name, _ in SETTING_OPTIONS:
+        given = getattr(args, name)
+        values = given if isinstance(given, list) else [] if given is None else [given]
+        if name == "model_path" and args.model is not None:
+            flags, values = ("MODEL", *flags), [args.model, *values]
+        overrides[name] = _one_value(parser, flags, values)
+    return {name: value for name, value in overrides.items() if value is not None}
+
+
+def with_tensor_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace, settings: Settings
+                         ) -> dict[str, Any]:
+    """The settings ``--tensor-parallel-size`` sets: the vllm engine's ``tensor_parallel_size``, added to its
+    VLLM_ENGINE_ARGS; with the built-in engine, which runs a model on one device, only 1 (which sets nothing)."""
+    size = _one_value(parser, ("--tensor-parallel-size", "-tp", "--num-shard"), args.tensor_parallel_size or [])
+    if size is None or (size == 1 and settings.engine != "vllm"):
+        return {}
+    if settings.engine != "vllm":
+        parser.error(f"argument --tensor-parallel-size: {size} needs the vllm engine (--engine vllm); the "
+                     "built-in engine runs a model on one device")
+    return {"vllm_engine_args": {**settings.vllm_engine_args, "tensor_parallel_size": size}}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -180,20 +267,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--embedded-redis", choices=["auto", "redis-server", "fake"], default="auto",
                         help="which embedded Redis to start when no URL is given")
     parser.add_argument("--redis-port", type=_tcp_port, help="port of the embedded Redis; default: a free one")
-    parser.add_argument("--model-path", type=Path, help="model folder or Hugging Face model id; default: the tiny "
-                        "model, made if missing")
-    parser.add_argument("--host", help="overrides HOST")
-    parser.add_argument("--port", type=int, help="overrides PORT")
     parser.add_argument("--workers", type=int, default=1, help="worker processes to start per model")
-    parser.add_argument("--engine", choices=get_args(EngineName),
-                        help="the workers' engine; overrides ENGINE (default transformers; README \"Engines\")")
+    add_setting_options(parser)
     args = parser.parse_args(argv)
     if args.redis_url and args.redis_port:
         parser.error("--redis-port is the embedded Redis's port: it does not go with --redis-url or REDIS_URL")
 
-    overrides = {k: v for k, v in {"model_path": args.model_path, "host": args.host, "port": args.port,
-                                   "engine": args.engine}.items() if v is not None}
-    settings = settings_or_exit("ferry-server", **overrides)
+    given = setting_overrides(parser, args)
+    settings = settings_or_exit("ferry-server", **given)
+    if tensor_parallel := with_tensor_parallel(parser, args, settings):
+        given.update(tensor_parallel)
+        settings = settings.model_copy(update=tensor_parallel)
     configure_logging(settings.log_format, settings.log_level)
     # SIGTERM (kill, systemd, supervisors, timeout) stops the server as Ctrl-C does. While the API runs,
     # uvicorn takes both signals, drains, then raises the signal again: by default SIGTERM would then end
@@ -202,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if settings.model_path is None:
             log.info("no model path given: using the tiny model at %s", ensure_tiny_model(settings.resolved_model_path))
-        failure = serve_all(settings, args.redis_url, args.embedded_redis, args.redis_port, args.workers)
+        failure = serve_all(settings, given, args.redis_url, args.embedded_redis, args.redis_port, args.workers)
     except KeyboardInterrupt:  # a stop asked outside the API's run (which ends quietly on it)
         failure = None
     if failure is not None:

@@ -23,9 +23,11 @@ needs_redis_server = pytest.mark.skipif(shutil.which("redis-server") is None, re
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; parent-death signal")
 
 
-def run_server(tmp_path: Path, tiny_model_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], str]:
+def run_server(tmp_path: Path, tiny_model_path: Path, *args: str,
+               extra_env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "MODEL_PATH", "MODEL_NAME")}
+    env.update(extra_env or {})
     env["FERRY_HOME"] = str(tmp_path / "home")
     env["SHUTDOWN_GRACE_SECONDS"] = str(GRACE_SECONDS)
     # The tiny model is made on first start when missing; reuse the session's copy to save time.
@@ -85,6 +87,38 @@ def test_a_taken_redis_port_is_one_line(tmp_path: Path, tiny_model_path: Path, r
         proc.kill()
     (line,) = [line for line in server_output(tmp_path).splitlines() if line.startswith("ferry-server:")]
     assert line.startswith("ferry-server: the embedded ") and "Address already in use" in line, line
+
+
+def test_vllm_options_guard_and_limit_the_server(tmp_path: Path, tiny_model_path: Path) -> None:
+    """``ferry-server --model DIR --api-key K --max-model-len N``, as a vLLM user types it: a request without
+    the key is 401 in its route's format, one with it is served, and a prompt past N tokens is refused. The
+    worker gets the command line's settings too (``--max-num-seqs``: the slots it reports), and an env var
+    that looks like a setting but is not read is named in the log."""
+    key, max_len = "vllm-habit-key", 16
+    proc, base_url = run_server(
+        tmp_path, tiny_model_path, "--model", str(tiny_model_path), "--api-key", key, "--max-model-len",
+        str(max_len), "--max-num-seqs", "3", extra_env={"QUANTIZE": "awq"},
+    )
+    try:
+        wait_healthy(base_url, [proc])
+        body = {"inputs": "def main(", "parameters": {"max_new_tokens": 2}}
+        refused = httpx.post(f"{base_url}/generate", json=body, timeout=60)
+        assert refused.status_code == 401 and refused.json()["error_type"] == "invalid_api_key", refused.text
+        refused = httpx.post(f"{base_url}/v1/completions", json={"model": "tiny-llama", "prompt": "x"}, timeout=60)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key", refused.text
+        auth = {"authorization": f"Bearer {key}"}
+        served = httpx.post(f"{base_url}/generate", json=body, headers=auth, timeout=60)
+        assert served.status_code == 200, served.text
+        long = {"inputs": "def main(): return 1 " * 10, "parameters": {"max_new_tokens": 2}}
+        too_long = httpx.post(f"{base_url}/generate", json=long, headers=auth, timeout=60)
+        assert too_long.status_code == 422, too_long.text
+        assert f"`inputs` must have less than {max_len - 1} tokens" in too_long.json()["error"]  # TGI's wording
+        assert httpx.get(f"{base_url}/info").json()["max_total_tokens"] == max_len
+        slots = httpx.get(f"{base_url}/v2/models/tiny-llama/getSlotCount").json()
+        assert slots["total_slots"] == 3, slots
+    finally:
+        stop(proc)
+    assert "env QUANTIZE is not read by Ferry" in server_output(tmp_path)
 
 
 def proc_stat(pid: int) -> tuple[int, str, str] | None:

@@ -43,6 +43,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from common import keys
 from common.connection import REDIS_ERRORS, Outbox, SyncRedis, publish, publish_command, sync_client
 from common.logs import configure_logging
+from common.look_alikes import warn_look_alikes
 from common.process import command_parser, freeze_startup_heap
 from common.protocol import Control, ErrorEvent, Job, WorkerStatus
 from common.settings import EngineName, Settings, settings_or_exit
@@ -605,6 +606,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     settings = settings_or_exit("ferry-worker", **{k: v for k, v in vars(args).items() if v is not None})
     configure_logging(settings.log_format, settings.log_level)
+    warn_look_alikes(os.environ)
     try:
         place_worker_threads(settings)
     except ValueError as exc:
