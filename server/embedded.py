@@ -34,6 +34,7 @@ from api.main import api_server, run_server
 from common.logs import configure_logging
 from common.process import child_process, command_parser, stop_processes
 from common.settings import EngineName, Settings, settings_or_exit
+from worker.cpu_threads import launched_worker_cores
 from worker.tiny_model import ensure_tiny_model
 
 log = logging.getLogger("ferry.server")
@@ -156,18 +157,25 @@ class WorkerProcesses:
 def serve_all(settings: Settings, redis_url: str | None, redis_kind: str, redis_port: int | None,
               workers: int) -> str | None:
     """Run Redis (unless ``redis_url``), the workers and the API until a signal or a worker's exit stops them;
-    returns what stopped them when it was a worker, else None."""
-    redis_cm = contextlib.nullcontext(redis_url) if redis_url else embedded_redis(redis_kind, redis_port)
-    with redis_cm as url:
-        settings = settings.model_copy(update={"redis_url": url})
+    returns what stopped them when it was a worker, else None. CPU workers get their cores
+    (worker/cpu_threads.py)."""
+    with contextlib.ExitStack() as stack:
+        if not redis_url:
+            redis_url = stack.enter_context(embedded_redis(redis_kind, redis_port))
+        settings = settings.model_copy(update={"redis_url": redis_url})
         server = api_server(settings, "ferry-server")
 
         def stop_server() -> None:
             server.should_exit = True
 
-        envs = [{**os.environ, "REDIS_URL": url, "MODEL_PATH": str(entry.path), "MODEL_NAME": entry.name,
-                 "ENGINE": settings.engine}
-                for entry in settings.served_models for _ in range(workers)]
+        models = [entry for entry in settings.served_models for _ in range(workers)]
+        try:
+            binds = stack.enter_context(launched_worker_cores(settings, [entry.name for entry in models]))
+        except ValueError as exc:
+            raise SystemExit(f"ferry-server: {exc}") from None
+        envs = [{**os.environ, "REDIS_URL": redis_url, "MODEL_PATH": str(entry.path), "MODEL_NAME": entry.name,
+                 "ENGINE": settings.engine, **({"CPU_THREADS_BIND": bind} if bind else {})}
+                for entry, bind in zip(models, binds)]
         with WorkerProcesses(envs, settings.shutdown_grace_seconds, stop_server) as procs:
             run_server(server)
         return procs.failure

@@ -605,7 +605,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = settings_or_exit("ferry-worker", **{k: v for k, v in vars(args).items() if v is not None})
     configure_logging(settings.log_format, settings.log_level)
     try:
-        place_worker_threads(settings)
+        claim = place_worker_threads(settings)  # auto: its cores stay claimed until it stops
     except ValueError as exc:
         print(f"ferry-worker: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
@@ -628,6 +628,8 @@ def main(argv: list[str] | None = None) -> None:
         loop.run()
     finally:
         engine.close()
+        if claim is not None:
+            claim.close()
 
 
 if __name__ == "__main__":
