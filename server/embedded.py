@@ -33,6 +33,7 @@ import redis
 from api.main import api_server, run_server
 from common.logs import configure_logging
 from common.process import child_process, command_parser, stop_processes
+from common.run_files import server_run_file
 from common.settings import EngineName, Settings, settings_or_exit
 from worker.cpu_threads import launched_worker_cores
 from worker.tiny_model import ensure_tiny_model
@@ -157,11 +158,12 @@ class WorkerProcesses:
 def serve_all(settings: Settings, redis_url: str | None, redis_kind: str, redis_port: int | None,
               workers: int) -> str | None:
     """Run Redis (unless ``redis_url``), the workers and the API until a signal or a worker's exit stops them;
-    returns what stopped them when it was a worker, else None. CPU workers get their cores
-    (worker/cpu_threads.py)."""
+    returns what stopped them when it was a worker, else None. An embedded Redis is recorded in the run dir
+    (common/run_files.py), for ``ferry-status``; CPU workers get their cores (worker/cpu_threads.py)."""
     with contextlib.ExitStack() as stack:
         if not redis_url:
             redis_url = stack.enter_context(embedded_redis(redis_kind, redis_port))
+            log.info("ferry-status finds this Redis through %s", stack.enter_context(server_run_file(redis_url)))
         settings = settings.model_copy(update={"redis_url": redis_url})
         server = api_server(settings, "ferry-server")
 
