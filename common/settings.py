@@ -91,9 +91,14 @@ def _spec(section: Section | None, key: str, env: str, *aliases: str) -> dict[st
     return {"validation_alias": AliasChoices(key, env, *aliases), "json_schema_extra": {"section": section, "env": env}}
 
 
+def ferry_home() -> Path:
+    """Ferry's per-user folder: ``$FERRY_HOME``, else ``~/.cache/ferry``."""
+    return Path(os.environ.get("FERRY_HOME", Path.home() / ".cache" / "ferry"))
+
+
 def default_model_dir() -> Path:
     """Where the embedded mode keeps the tiny model it makes on first start."""
-    return Path(os.environ.get("FERRY_HOME", Path.home() / ".cache" / "ferry")) / "tiny-llama"
+    return ferry_home() / "tiny-llama"
 
 
 class GenerationBlock(jinja2.ext.Extension):
@@ -512,9 +517,15 @@ class Settings(BaseSettings):
         65536, gt=0, **_spec("ScheduleConfig", "maxBatchTotalTokens", "MAX_BATCH_TOTAL_TOKENS")
     )
     cpu_threads_bind: str = Field(
-        "auto", description="a CPU worker's torch threads (built-in engine): auto (every usable core but one, "
-        "left to the API pod and Redis; nothing when OMP_NUM_THREADS is set), nobind (torch's default) or cores "
-        "such as 0-3,6", **_spec("BackendConfig", "cpuThreadsBind", "CPU_THREADS_BIND"),
+        "auto", description="a CPU worker's torch threads (built-in engine): auto (its share of the usable cores but "
+        "one, left to the API pod and Redis, claimed against the host's other workers: cpuWorkersPerHost; nothing "
+        "when OMP_NUM_THREADS is set), nobind (torch's default) or cores such as 0-3,6",
+        **_spec("BackendConfig", "cpuThreadsBind", "CPU_THREADS_BIND"),
+    )
+    cpu_workers_per_host: int | None = Field(
+        None, ge=1, description="the CPU workers of this host that cpuThreadsBind auto shares its cores among: each "
+        "claims 1/N of them (default: the workers ferry-server starts, else 1)",
+        **_spec("BackendConfig", "cpuWorkersPerHost", "CPU_WORKERS_PER_HOST"),
     )
     compile_model: bool = Field(
         True, description="compile the built-in engine's decode steps and prompt passes of Llama, Mistral and Qwen2 "

@@ -20,6 +20,7 @@ from rich.table import Table
 from common.cluster import ModelState, discover_models, read_model_state
 from common.connection import REDIS_ERRORS, AsyncRedis, async_client
 from common.process import command_parser
+from common.run_files import running_servers
 from common.settings import Settings, settings_or_exit
 
 
@@ -75,6 +76,19 @@ async def _run(settings: Settings, only: list[str] | None) -> list[ModelState]:
         await redis.aclose()
 
 
+def local_server_redis(settings: Settings) -> Settings:
+    """``settings`` reading the embedded Redis of this user's newest running ``ferry-server``, said on stderr;
+    as they are when none runs."""
+    servers = running_servers()
+    if not servers:
+        return settings
+    newest, others = servers[0], [str(server.pid) for server in servers[1:]]
+    also = f"; also running: pid {', '.join(others)} (--redis-url picks another)" if others else ""
+    print(f"ferry-status: reading {newest.redis_url}, the Redis of ferry-server pid {newest.pid}{also}",
+          file=sys.stderr)
+    return settings.model_copy(update={"redis_url": newest.redis_url})
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = command_parser("ferry-status", __doc__.splitlines()[0])
     parser.add_argument("--redis-url", help="overrides REDIS_URL")
@@ -83,6 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--check", action="store_true", help="exit 1 when a model has no live worker")
     args = parser.parse_args(argv)
     settings = settings_or_exit("ferry-status", **({"redis_url": args.redis_url} if args.redis_url else {}))
+    if "redis_url" not in settings.model_fields_set:  # no Redis given: a running ferry-server's, if any
+        settings = local_server_redis(settings)
     try:
         states = asyncio.run(_run(settings, args.model))
     except (*REDIS_ERRORS, OSError) as exc:

@@ -35,7 +35,9 @@ import redis
 from api.main import api_server, run_server
 from common.logs import configure_logging
 from common.process import child_process, command_parser, stop_processes
+from common.run_files import server_run_file
 from common.settings import EngineName, Settings, settings_env, settings_or_exit
+from worker.cpu_threads import launched_worker_cores
 from worker.tiny_model import ensure_tiny_model
 
 log = logging.getLogger("ferry.server")
@@ -159,18 +161,28 @@ def serve_all(settings: Settings, given: dict[str, Any], redis_url: str | None, 
               redis_port: int | None, workers: int) -> str | None:
     """Run Redis (unless ``redis_url``), the workers and the API until a signal or a worker's exit stops them;
     returns what stopped them when it was a worker, else None. ``given``: the settings set on the command line,
-    which reach the workers through their env vars, as the rest of their settings do."""
-    redis_cm = contextlib.nullcontext(redis_url) if redis_url else embedded_redis(redis_kind, redis_port)
-    with redis_cm as url:
-        settings = settings.model_copy(update={"redis_url": url})
+    which reach the workers through their env vars, as the rest of their settings do. An embedded Redis is
+    recorded in the run dir (common/run_files.py), for ``ferry-status``; CPU workers get their cores
+    (worker/cpu_threads.py)."""
+    with contextlib.ExitStack() as stack:
+        if not redis_url:
+            redis_url = stack.enter_context(embedded_redis(redis_kind, redis_port))
+            log.info("ferry-status finds this Redis through %s", stack.enter_context(server_run_file(redis_url)))
+        settings = settings.model_copy(update={"redis_url": redis_url})
         server = api_server(settings, "ferry-server")
 
         def stop_server() -> None:
             server.should_exit = True
 
-        envs = [settings_env(os.environ, {**given, "redis_url": url, "model_path": entry.path,
-                                          "model_name": entry.name, "engine": settings.engine})
-                for entry in settings.served_models for _ in range(workers)]
+        models = [entry for entry in settings.served_models for _ in range(workers)]
+        try:
+            binds = stack.enter_context(launched_worker_cores(settings, [entry.name for entry in models]))
+        except ValueError as exc:
+            raise SystemExit(f"ferry-server: {exc}") from None
+        envs = [settings_env(os.environ, {**given, "redis_url": redis_url, "model_path": entry.path,
+                                          "model_name": entry.name, "engine": settings.engine,
+                                          **({"cpu_threads_bind": bind} if bind else {})})
+                for entry, bind in zip(models, binds)]
         with WorkerProcesses(envs, settings.shutdown_grace_seconds, stop_server) as procs:
             run_server(server)
         return procs.failure

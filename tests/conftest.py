@@ -31,6 +31,15 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("COMPILE_MODEL", "false")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tests' run dir (FERRY_RUN_DIR, common/run_files.py), inherited by every process they start: their
+    servers' run files and their workers' core claims stay out of the user's, and another test session's."""
+    path = tmp_path_factory.mktemp("run")
+    os.environ["FERRY_RUN_DIR"] = str(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The project's tiny Llama model, made once per test session."""

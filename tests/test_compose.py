@@ -42,7 +42,7 @@ def scripts() -> set[str]:
 def env_vars() -> set[str]:
     """Every environment variable a Ferry process reads."""
     declared = {str(field.json_schema_extra["env"]) for field in Settings.model_fields.values()}  # type: ignore[index]
-    return declared | {"FERRY_CONFIG", "FERRY_HOME"}
+    return declared | {"FERRY_CONFIG", "FERRY_HOME", "FERRY_RUN_DIR"}
 
 
 def test_the_stack_has_its_services(services: dict[str, Any]) -> None:

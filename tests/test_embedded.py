@@ -3,7 +3,9 @@ its lifecycle: every child process gone after SIGTERM or kill -9, a worker's exi
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -16,7 +18,7 @@ import httpx
 import pytest
 import redis
 
-from tests.conftest import free_port, wait_healthy
+from tests.conftest import free_port, wait_for, wait_healthy
 
 GRACE_SECONDS = 2  # SHUTDOWN_GRACE_SECONDS of the servers started here
 needs_redis_server = pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server on PATH")
@@ -29,6 +31,7 @@ def run_server(tmp_path: Path, tiny_model_path: Path, *args: str,
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "MODEL_PATH", "MODEL_NAME")}
     env.update(extra_env or {})
     env["FERRY_HOME"] = str(tmp_path / "home")
+    env["FERRY_RUN_DIR"] = str(tmp_path / "run")  # its run file and its workers' core claims: a host of its own
     env["SHUTDOWN_GRACE_SECONDS"] = str(GRACE_SECONDS)
     # The tiny model is made on first start when missing; reuse the session's copy to save time.
     (tmp_path / "home").mkdir()
@@ -183,6 +186,48 @@ def test_no_child_outlives_the_server(tmp_path: Path, tiny_model_path: Path, how
         proc.kill()
         for pid in survivors(children, within=0):
             os.kill(pid, signal.SIGKILL)
+
+
+def live_workers(base_url: str) -> int:
+    return httpx.get(f"{base_url}/health", timeout=5).json()["models"]["tiny-llama"]["live_workers"]
+
+
+@linux_only
+def test_the_servers_workers_get_disjoint_cores_and_its_log_says_which(tmp_path: Path, tiny_model_path: Path) -> None:
+    """``--workers 2``: the server claims each worker its share of the cores and logs it; each worker process
+    is bound to the cores its line names, and no core is bound twice."""
+    proc, base_url = run_server(tmp_path, tiny_model_path, "--embedded-redis", "fake", "--workers", "2")
+    try:
+        wait_healthy(base_url, [proc])
+        wait_for(lambda: live_workers(base_url) == 2, 120, "both workers live")
+        affinities = [os.sched_getaffinity(pid) for pid in descendants(proc.pid)]
+    finally:
+        stop(proc)
+    logged = [set(map(int, cores.split(", "))) for cores in
+              re.findall(r"CPU worker \d of 2 \(model tiny-llama\): cores \[([\d, ]+)\], 1/2 of the host's cores",
+                         server_output(tmp_path))]
+    assert len(logged) == 2 and sorted(map(sorted, logged)) == sorted(map(sorted, affinities)), server_output(tmp_path)
+    first, second = affinities
+    assert first and second and not first & second, affinities
+
+
+def test_plain_ferry_status_finds_the_server(tmp_path: Path, tiny_model_path: Path) -> None:
+    """With neither --redis-url nor REDIS_URL, ``ferry-status`` reads the embedded Redis of the running
+    ferry-server (its run file) and says so; the file goes with the server."""
+    proc, base_url = run_server(tmp_path, tiny_model_path, "--embedded-redis", "fake")
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "FERRY_CONFIG", "MODEL_NAME", "MODEL_PATH")}
+    try:
+        wait_healthy(base_url, [proc])
+        status = subprocess.run([sys.executable, "-m", "common.status", "--json", "--check"], capture_output=True,
+                                text=True, timeout=60, env={**env, "FERRY_RUN_DIR": str(tmp_path / "run")})
+    finally:
+        stop(proc)
+    assert status.returncode == 0, status.stderr
+    ((model, workers),) = [(state["model"], len(state["workers"])) for state in json.loads(status.stdout)]
+    assert (model, workers) == ("tiny-llama", 1)
+    assert re.fullmatch(rf"ferry-status: reading redis://127\.0\.0\.1:\d+/0, the Redis of ferry-server pid "
+                        rf"{proc.pid}\n", status.stderr), status.stderr
+    assert not list((tmp_path / "run").glob("server-*")), "the run file outlived the server"
 
 
 def broken_model(tmp_path: Path, tiny_model_path: Path) -> Path:

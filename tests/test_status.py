@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from importlib.metadata import version
+from pathlib import Path
 
 import fakeredis
 import pytest
@@ -15,7 +16,9 @@ from rich.console import Console
 
 from common import keys
 from common.protocol import WorkerStatus
-from common.status import main, read_status, render
+from common.run_files import ServerRecord, running_servers, server_run_file, try_lock
+from common.settings import Settings
+from common.status import local_server_redis, main, read_status, render
 from tests.conftest import Stack
 
 
@@ -93,3 +96,55 @@ def test_a_reader_that_left_is_no_traceback(redis_url: str, output: list[str]) -
     proc.stdout.close()
     _, stderr = proc.communicate(timeout=60)
     assert (proc.returncode, stderr) == (1, b"")
+
+
+def held_record(path: Path, pid: int, redis_url: str, started: float) -> int:
+    """A run file as a running ferry-server holds it: written and locked (the descriptor holds the lock)."""
+    fd = try_lock(path)
+    assert fd is not None
+    os.write(fd, ServerRecord(pid=pid, redis_url=redis_url, started=started).model_dump_json().encode())
+    return fd
+
+
+def test_running_servers_are_the_held_run_files_newest_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file no process holds (its server was killed) is stale, whatever pid it names; so is one left half
+    written; the server's own file goes when it stops."""
+    monkeypatch.setenv("FERRY_RUN_DIR", str(tmp_path))
+    stale = ServerRecord(pid=1, redis_url="redis://h:1/0", started=3.0)
+    (tmp_path / "server-1.json").write_text(stale.model_dump_json())
+    (tmp_path / "server-3.json").write_text("{")
+    older = held_record(tmp_path / "server-2.json", 2, "redis://h:2/0", started=1.0)
+    try:
+        with server_run_file("redis://h:4/0") as path:
+            assert path == tmp_path / f"server-{os.getpid()}.json"
+            assert [(server.pid, server.redis_url) for server in running_servers()] == [
+                (os.getpid(), "redis://h:4/0"), (2, "redis://h:2/0")]
+        assert not path.exists()
+        assert [server.pid for server in running_servers()] == [2]
+    finally:
+        os.close(older)
+    assert running_servers() == []
+
+
+def test_status_reads_the_newest_server_and_names_the_others(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("FERRY_RUN_DIR", str(tmp_path))
+    held = [held_record(tmp_path / f"server-{pid}.json", pid, f"redis://h:{pid}/0", started=pid) for pid in (7, 9, 8)]
+    try:
+        settings = local_server_redis(Settings())
+    finally:
+        for fd in held:
+            os.close(fd)
+    assert settings.redis_url == "redis://h:9/0"
+    assert capsys.readouterr().err == ("ferry-status: reading redis://h:9/0, the Redis of ferry-server pid 9; also "
+                                       "running: pid 8, 7 (--redis-url picks another)\n")
+
+
+def test_a_given_redis_wins_over_a_running_server(tmp_path: Path, redis_url: str) -> None:
+    """REDIS_URL (as --redis-url, or the config file's redisUrl) is the operator's choice: no run file is read."""
+    fd = held_record(tmp_path / "server-5.json", 5, "redis://127.0.0.1:1/0", started=time.time())
+    try:
+        done = status_json("--json", env={"REDIS_URL": redis_url, "FERRY_RUN_DIR": str(tmp_path)})
+    finally:
+        os.close(fd)
+    assert done.returncode == 0 and "reading" not in done.stderr, done.stderr

@@ -608,7 +608,7 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging(settings.log_format, settings.log_level)
     warn_look_alikes(os.environ)
     try:
-        place_worker_threads(settings)
+        claim = place_worker_threads(settings)  # auto: its cores stay claimed until it stops
     except ValueError as exc:
         print(f"ferry-worker: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
@@ -631,6 +631,8 @@ def main(argv: list[str] | None = None) -> None:
         loop.run()
     finally:
         engine.close()
+        if claim is not None:
+            claim.close()
 
 
 if __name__ == "__main__":
