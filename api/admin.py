@@ -2,8 +2,8 @@
 
 - ``GET /v1/config``: the pod's effective configuration in the config file's layout (ServerConfig, LogConfig,
   BackendConfig with ScheduleConfig and ModelDeployConfig; :func:`common.settings.effective_config`), without
-  secrets (no API keys; the Redis password masked). MindIE's ``GET /v2/models/{m}/config`` stays Triton's
-  model configuration (api/kserve.py): KServe/Triton clients read that route.
+  secrets (no API keys; the Redis password masked). MindIE's ``GET /v2/models/{m}/config`` is api/kserve.py's:
+  Triton's model configuration and MindIE's fields in one object, for both kinds of client.
 - ``GET /stopService[?mode=Force]``: drains the pod. From then on the pipeline refuses every new request
   (``stopping``: 503 in each protocol's error format); once the requests in flight have finished (with
   ``Force``: after :data:`FORCE_SECONDS` at most) the pod stops the way SIGTERM stops it, by ending uvicorn's

@@ -16,6 +16,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.openapi.utils import get_openapi
+from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException
 
 from api import __version__, adapters, admin, kserve, mindie, openai, ops, tgi
@@ -111,7 +112,9 @@ def create_app(settings: Settings, redis: AsyncRedis | None = None) -> FastAPI:
             if redis is None:
                 await client.aclose()
 
-    app = FastAPI(
+    # /docs and /redoc load Swagger UI's and ReDoc's assets from the pod (/static-offline-docs), not a CDN: the
+    # pages work on an air-gapped host
+    app = FastAPIOffline(
         title="Ferry",
         version=__version__,
         summary="LLM inference: TGI-compatible, KServe v2 and OpenAI-compatible APIs over Redis Streams",

@@ -1,6 +1,6 @@
 """KServe v2 / Triton routes under ``/v2``: token inference (SPEC.md section 2), health, metadata, and
-Triton's generate extension (``/generate``, ``/generate_stream``), model configuration, repository index and
-statistics extensions (``/config``, ``/v2/repository/index``, ``/stats``).
+Triton's generate extension (``/generate``, ``/generate_stream``), model configuration (with MindIE's fields),
+repository index and statistics extensions (``/config``, ``/v2/repository/index``, ``/stats``).
 
 A thin translation onto :mod:`api.inference`, like :mod:`api.tgi`. Every error is KServe's
 ``{"error": "..."}``: 400 for a bad request, 404 for an unknown model, 503 when not ready, 500 when
@@ -344,13 +344,23 @@ async def model_statistics(ctx: Ctx) -> KServeStatisticsResponse:
     responses={404: ERROR_RESPONSES[404]},
 )
 async def model_config(ctx: Ctx) -> KServeModelConfig:
-    """Triton's model configuration extension: the tensors as the metadata gives them, no Triton batching."""
+    """Triton's model configuration extension (the tensors as the metadata gives them, no Triton batching) and
+    MindIE's model configuration, in one object."""
     return KServeModelConfig(
         name=ctx.model.model_id,
         platform=PLATFORM,
         max_batch_size=0,
         input=[KServeModelConfigTensor(name=INPUT_NAME, data_type=CONFIG_DATATYPE, dims=list(TENSOR_SHAPE))],
         output=[KServeModelConfigTensor(name=OUTPUT_NAME, data_type=CONFIG_DATATYPE, dims=list(TENSOR_SHAPE))],
+        model_name=ctx.model.model_id,
+        input_datatype=DATATYPE,
+        output_datatype=DATATYPE,
+        max_seq_len=ctx.settings.max_seq_len,
+        npu_mem_size=-1,
+        cpu_mem_size=0,
+        world_size=ctx.settings.devices_per_worker,
+        model_weight_path=str(ctx.model.path),
+        model_instance_type="Standard",
     )
 
 

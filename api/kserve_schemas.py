@@ -349,14 +349,28 @@ class KServeModelConfigTensor(BaseModel):
 
 
 class KServeModelConfig(BaseModel):
-    """Triton's model configuration (``GET /v2/models/{model}/config``), the fields that describe this model:
-    ``max_batch_size`` 0 means the batch dimension is part of ``dims`` (the explicit ``[1, n]``)."""
+    """``GET /v2/models/{model}/config``: Triton's model configuration and MindIE's in one object, so that both
+    kinds of client read it (docs/SPEC.md). Triton's fields describe the tensors: ``max_batch_size`` 0 means the
+    batch dimension is part of ``dims`` (the explicit ``[1, n]``). MindIE's describe the deployment, with
+    MindIE's meanings; the memory sizes are its GB of KV cache."""
 
     name: str
     platform: str
     max_batch_size: int
     input: list[KServeModelConfigTensor]
     output: list[KServeModelConfigTensor]
+    model_name: str
+    input_datatype: str = Field(description="input0's datatype")
+    output_datatype: str = Field(description="output0's datatype")
+    max_seq_len: int = Field(description="maxSeqLen: a request's prompt and generated tokens together")
+    npu_mem_size: Literal[-1] = Field(
+        description="GB of KV cache per device; -1, MindIE's value for a size the engine works out itself: "
+        "maxBatchTotalTokens tokens (the built-in engine) or vLLM's own sizing"
+    )
+    cpu_mem_size: Literal[0] = Field(description="GB of host memory KV cache is swapped out to: none")
+    world_size: int = Field(description="devices one worker runs the model on")
+    model_weight_path: str = Field(description="the model's folder")
+    model_instance_type: Literal["Standard"] = Field(description="MindIE's plain inference instance")
 
 
 class RepositoryIndexRequest(BaseModel):

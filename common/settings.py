@@ -25,6 +25,7 @@ from __future__ import annotations
 import difflib
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -55,6 +56,8 @@ from pydantic_settings import (
 )
 
 EngineName = Literal["transformers", "vllm"]
+# The vllm.EngineArgs fields whose product is the devices one vLLM worker runs its model on (vLLM's world size).
+VLLM_PARALLEL_ARGS = ("tensor_parallel_size", "pipeline_parallel_size")
 Section = Literal["ServerConfig", "LogConfig", "BackendConfig", "ScheduleConfig", "ModelDeployConfig"]
 # Where each section sits in the nested file.
 SECTION_PATHS: dict[str, tuple[str, ...]] = {
@@ -621,6 +624,10 @@ class Settings(BaseSettings):
             if name not in names:
                 raise ValueError(f"modelName `{name}` (MODEL_NAME / --model-name) is not in ModelConfig: {names}")
             self.model_name, self.model_path = name, self.models[names.index(name)].path
+        for key in VLLM_PARALLEL_ARGS:
+            size = self.vllm_engine_args.get(key, 1)
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"vllmEngineArgs.{key} must be a positive integer. Given: {size!r}")
         if "{" in self.served_model_name or "}" in self.served_model_name:  # braces are Redis hash tags (common.keys)
             raise ValueError(f"the model name `{self.served_model_name}` must not contain braces")
         if self.https_enabled:
@@ -662,6 +669,14 @@ class Settings(BaseSettings):
             if port not in (0, self.port):
                 result.setdefault((host, port), set()).add(plane)
         return {address: frozenset(planes) for address, planes in result.items()}
+
+    @property
+    def devices_per_worker(self) -> int:
+        """The devices one worker runs its model on: the built-in engine uses one (``device``), vLLM its tensor
+        times pipeline parallel size (``vllmEngineArgs``)."""
+        if self.engine != "vllm":
+            return 1
+        return math.prod(self.vllm_engine_args.get(key, 1) for key in VLLM_PARALLEL_ARGS)
 
     @property
     def redis_location(self) -> str:

@@ -165,6 +165,13 @@ def test_https_needs_existing_cert_and_key(monkeypatch: pytest.MonkeyPatch, tmp_
     assert "tlsCaCerts (mutual TLS) needs httpsEnabled" in error_of(monkeypatch, tmp_path, mtls_without_tls)
 
 
+@pytest.mark.parametrize("size", [0, -2, 1.5, "2", True])
+def test_a_vllm_parallel_size_must_count_devices(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, size: Any) -> None:
+    """The devices a vLLM worker runs on (``/v2/models/{m}/config``'s world_size) are counted from these."""
+    config = nested(BackendConfig={"engine": "vllm", "vllmEngineArgs": {"pipeline_parallel_size": size}})
+    assert "vllmEngineArgs.pipeline_parallel_size must be a positive integer" in error_of(monkeypatch, tmp_path, config)
+
+
 def test_a_key_value_is_never_echoed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     message = error_of(monkeypatch, tmp_path, nested(ServerConfig={"apiKeys": "sk-secret-1", "port": 0}))
     assert "sk-secret-1" not in message

@@ -702,15 +702,38 @@ def test_generate_generation_failure_is_500(client: TestClient, monkeypatch: pyt
 # --------------------------------------------------------------------------------------------- Triton's extensions
 
 
-def test_model_config(client: TestClient) -> None:
-    """Triton's model configuration: max_batch_size 0, so the explicit batch dimension is part of ``dims``."""
+def test_model_config(client: TestClient, tiny_model_path: Path) -> None:
+    """Triton's model configuration (max_batch_size 0, so the explicit batch dimension is part of ``dims``) and
+    MindIE's, in one object: the deployment's settings (the built-in engine: one device per worker), MindIE's
+    -1 for a KV cache the engine sizes, no KV cache swapped to host memory."""
     assert client.get(f"/v2/models/{MODEL}/config").json() == {
         "name": MODEL,
         "platform": "pytorch_transformers",
         "max_batch_size": 0,
         "input": [{"name": "input0", "data_type": "TYPE_UINT32", "dims": [1, -1]}],
         "output": [{"name": "output0", "data_type": "TYPE_UINT32", "dims": [1, -1]}],
+        "model_name": MODEL,
+        "input_datatype": "UINT32",
+        "output_datatype": "UINT32",
+        "max_seq_len": LIMITS["max_seq_len"],
+        "npu_mem_size": -1,
+        "cpu_mem_size": 0,
+        "world_size": 1,
+        "model_weight_path": str(tiny_model_path),
+        "model_instance_type": "Standard",
     }
+
+
+@pytest.mark.parametrize(("vllm_args", "world_size"), [
+    ({}, 1), ({"tensor_parallel_size": 2}, 2), ({"tensor_parallel_size": 2, "pipeline_parallel_size": 3}, 6),
+])
+def test_model_config_world_size_is_vllms_devices_per_worker(
+    tiny_model_path: Path, vllm_args: dict[str, int], world_size: int
+) -> None:
+    settings = make_settings(tiny_model_path, engine="vllm", vllm_engine_args=vllm_args, max_seq_len=512)
+    with TestClient(create_app(settings, redis=fakeredis.FakeAsyncRedis())) as fresh:
+        config = fresh.get(f"/v2/models/{MODEL}/config").json()
+    assert (config["world_size"], config["max_seq_len"]) == (world_size, 512)
 
 
 def test_repository_index_follows_worker_heartbeats(client: TestClient, redis_server: fakeredis.FakeServer) -> None:

@@ -71,10 +71,18 @@ def test_config_answers_the_effective_settings_in_mindies_layout_without_secrets
     flatten_config(config)  # every key is a key of the config file, in its section
 
 
-def test_v2_model_config_stays_tritons(client: tuple[TestClient, list[bool]]) -> None:
+def test_v2_model_config_answers_triton_and_mindie_clients(
+    client: tuple[TestClient, list[bool]], tiny_model_path: Path
+) -> None:
+    """One object: Triton's model configuration, and MindIE's fields with the served model's values."""
     response = client[0].get("/v2/models/m/config")
     assert response.status_code == 200
-    assert response.json()["platform"] and response.json()["input"][0]["name"] == "input0"
+    config = response.json()
+    assert config["platform"] and config["input"][0]["name"] == "input0"
+    assert (config["model_name"], config["model_weight_path"], config["max_seq_len"]) == ("m", str(tiny_model_path),
+                                                                                         2048)
+    assert (config["input_datatype"], config["output_datatype"], config["model_instance_type"]) == (
+        "UINT32", "UINT32", "Standard")
 
 
 # ------------------------------------------------------------------------------------------ /stopService

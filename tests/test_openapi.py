@@ -11,6 +11,7 @@ the health routes answer 200 and requests are taken.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from decimal import Decimal
@@ -116,6 +117,33 @@ def test_whole_bounds_are_written_as_integers() -> None:
     assert bounds and not [(key, value) for key, value in bounds if isinstance(value, Decimal) and value % 1 == 0]
     seed = document["components"]["schemas"]["TGIParameters"]["properties"]["seed"]["anyOf"][0]
     assert seed["exclusiveMaximum"] == 2**64 and seed["exclusiveMinimum"] == 0
+
+
+# The URLs a docs page loads: its tags' src, href and spec-url attributes, and Swagger UI's `url: '...'`.
+PAGE_URLS = re.compile(r"""(?:src|href|spec-url)="([^"]*)"|\burl: '([^']*)'""")
+
+
+@pytest.mark.parametrize(("page", "script", "global_name"), [
+    ("/docs", "swagger-ui-bundle.js", "SwaggerUIBundle"),
+    ("/redoc", "redoc.standalone.js", "Redoc"),
+])
+def test_docs_pages_load_only_the_pods_own_assets(page: str, script: str, global_name: str) -> None:
+    """An air-gapped host has no CDN: each docs page names only paths of the pod, and each answers with its
+    asset (the script that defines what the page calls, the stylesheet, the icon, the document)."""
+    client = TestClient(create_app(Settings()))  # no lifespan: the pages and assets need no model
+    html = client.get(page)
+    assert html.status_code == 200 and "://" not in html.text
+    urls = {next(filter(None, match)) for match in PAGE_URLS.findall(html.text)}
+    assert "/openapi.json" in urls and any(url.endswith("/" + script) for url in urls)
+    for url in urls:
+        assert url.startswith("/") and not url.startswith("//"), url
+        asset = client.get(url)
+        assert asset.status_code == 200 and asset.content, url
+        kind = asset.headers["content-type"]
+        expected = {".js": "javascript", ".css": "text/css", ".png": "image/png", ".json": "application/json"}
+        assert expected[url[url.rindex("."):]] in kind, (url, kind)
+        if url.endswith(script):
+            assert global_name in asset.text
 
 
 @SCHEMA.parametrize()

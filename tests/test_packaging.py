@@ -1,5 +1,6 @@
 """What ``pip install .`` (the Dockerfile's install) delivers: the wheel holds the tiny model's corpus and the
-LICENSE, and its ``ferry-tiny-model`` works outside the checkout; the tiny model it makes can chat."""
+LICENSE, and its ``ferry-tiny-model`` works outside the checkout; the tiny model it makes can chat; the checkout's
+.gitignore matches no tracked file."""
 
 from __future__ import annotations
 
@@ -84,3 +85,11 @@ def test_the_license_file_is_the_license_pyproject_names() -> None:
     declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["license"]
     license_id = declared if isinstance(declared, str) else declared["text"]  # PEP 639's string, or the table
     assert hashlib.sha256((REPO / "LICENSE").read_bytes()).hexdigest() == LICENSE_TEXTS[license_id]
+
+
+def test_gitignore_ignores_no_tracked_file() -> None:
+    """A tracked file that .gitignore matches is one side wrong: either it should not be committed (a build
+    output, a model) or the pattern hides a new file beside it from ``git add``."""
+    tracked_ignored = subprocess.run(["git", "ls-files", "--cached", "--ignored", "--exclude-standard"], cwd=REPO,
+                                     capture_output=True, text=True, check=True, timeout=60)
+    assert tracked_ignored.stdout == ""

@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
+from transformers import AutoTokenizer
 
 from tests.conftest import CHAT_TEMPLATE, Stack, start_stack, stop_stack
 from worker.tiny_model import make_tiny_lora
@@ -32,6 +33,8 @@ README_HOSTS = ("localhost:8080", "127.0.0.1:8080")
 README_MODEL = "tiny-llama"
 README_ADAPTER = "/models/tiny-lora"  # the LoRA examples' adapter folder: one the stack's fixture makes
 STATUS_IN_COMMENT = re.compile(r"HTTP (\d{3})\b|\((\d{3})\)")
+# The KServe section's statement of the prompt its examples' token ids encode.
+KSERVE_PROMPT = re.compile(r"The examples send `([^`]*)` as the\s+tiny model's tokenizer encodes it: `(\[[\d, ]*\])`")
 CURL_FLAGS = {"-s", "-S", "-N", "-i", "-si", "-sN", "-sS", "-sSN"}  # output options: nothing to send
 
 
@@ -155,6 +158,26 @@ def test_the_readme_has_examples() -> None:
     """The parser finds every example (a README change that hides them from it fails here)."""
     assert len(EXAMPLES.curl) >= 20 and len(EXAMPLES.python) >= 3
     assert all(example.command.count("curl ") == 1 for example in EXAMPLES.curl)
+
+
+def test_the_kserve_examples_ids_are_the_stated_prompt(tiny_model_path: Path) -> None:
+    """The ids the KServe examples send are the tiny model's encoding of the prompt the README says they are
+    (so the answers shown are the model's real continuation of that text), in the curl and the Python example."""
+    text = README.read_text()
+    stated = KSERVE_PROMPT.search(text)
+    assert stated is not None, "the KServe section states which prompt its examples' ids encode"
+    prompt, ids = stated.group(1), json.loads(stated.group(2))
+    assert AutoTokenizer.from_pretrained(tiny_model_path)(prompt).input_ids == ids
+    infers = [example for example in EXAMPLES.curl if re.search(r"/v2/models/[^/ ]+/infer\b", example.command)
+              and '"data"' in example.command]
+    assert infers
+    for example in infers:
+        words = shlex.split(example.command)
+        body = json.loads(words[words.index("-d") + 1])
+        assert [tensor["data"] for tensor in body["inputs"]] == [ids], example.line
+        assert example.expected_json is None or example.expected_json["outputs"][0]["data"][:len(ids)] == ids
+    tritons = [source for _, source in EXAMPLES.python if "set_data_from_numpy" in source]
+    assert tritons and all(f"np.array([{ids}]" in source for source in tritons)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """Start-up of the three commands: a model given as a Hugging Face id, models and devices that cannot load (one
-line and a non-zero status, never a traceback), load logging, --help and --version, the metrics address."""
+line and a non-zero status, never a traceback), load logging, --help and --version, the metrics address; and a
+worker's stop."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import uuid
 from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
@@ -16,14 +19,16 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+import redis
 import torch
 
 import server.embedded
 import api.main
 import worker.main
+from common import keys
 from common.model_files import ModelUnavailable, model_file
 from common.settings import Settings
-from tests.conftest import free_port, start_stack, stop_stack
+from tests.conftest import free_port, start_stack, stop_stack, wait_for
 from worker.engine import EngineLoadError
 from worker.metrics import WorkerMetrics
 from worker.transformers_engine import TransformersEngine
@@ -79,6 +84,33 @@ def test_a_hub_id_is_served_from_the_hub_cache(redis_url: str, hub_home: Path, t
         assert models.status_code == 200 and models.json()["data"][0]["id"] == stack.model_name, models.text
     finally:
         stop_stack(stack)
+
+
+def test_a_stopped_worker_says_so_in_one_line(redis_url: str, tiny_model_path: Path, tmp_path: Path) -> None:
+    """SIGTERM: the worker exits 0 with one line saying it stopped, and nothing else; in particular no
+    extension module reports objects leaked at exit (the start-up heap it freezes is unfrozen at exit:
+    :func:`common.process.freeze_startup_heap`)."""
+    model = f"stop-{uuid.uuid4().hex[:8]}"
+    env = command_env(REDIS_URL=redis_url, MODEL_PATH=str(tiny_model_path), MODEL_NAME=model)
+    client = redis.Redis.from_url(redis_url)
+    with open(tmp_path / "worker.log", "w+") as log:
+        proc = subprocess.Popen([sys.executable, "-m", MODULES["ferry-worker"]], env=env, stdout=log, stderr=log,
+                                cwd=REPO)
+        try:
+            wait_for(lambda: proc.poll() is not None or client.zcard(keys.heartbeats(model)), 120,
+                     "the worker's first heartbeat")
+            serving = (tmp_path / "worker.log").read_text()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            if stale := list(client.scan_iter(match=f"ferry:{{{model}}}:*")):
+                client.delete(*stale)
+            client.close()
+        at_stop = (tmp_path / "worker.log").read_text()[len(serving):]
+    assert re.fullmatch(r"\S+ \S+ INFO ferry\.worker: worker \S+ stopped\n", at_stop), at_stop
 
 
 @pytest.mark.parametrize("name", COMMANDS)

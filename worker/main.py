@@ -225,6 +225,7 @@ class WorkerLoop:
                 self.redis.delete(keys.worker_status(self.model, self.consumer))
             except (*REDIS_ERRORS, OSError):
                 pass
+        log.info("worker %s stopped", self.consumer)
 
     # -- one iteration -----------------------------------------------------------------------------
 
