@@ -16,11 +16,13 @@ from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import pytest
 import redis
 import torch
+from transformers import AutoConfig
 
 import server.embedded
 import api.main
@@ -203,19 +205,34 @@ def test_the_built_in_engine_logs_its_load(tiny_model_path: Path, caplog: pytest
 def test_the_vllm_engine_logs_its_load(
     tiny_model_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The lines around vLLM's own load (its engine is replaced here by its configuration alone)."""
+    """The lines around vLLM's own load (its engine is replaced here by its configuration alone), and the KV
+    cache it is given: maxBatchTotalTokens of the model's keys and values, unless vLLM's own sizing is asked
+    for."""
     vllm_engine = pytest.importorskip("worker.vllm_engine", reason="vllm is not installed")
     model_config = SimpleNamespace(dtype=torch.bfloat16, max_model_len=64, get_vocab_size=lambda: 4096, hf_config=None)
     cache_config = SimpleNamespace(num_gpu_blocks=8, block_size=16)
     loaded = SimpleNamespace(vllm_config=SimpleNamespace(model_config=model_config, cache_config=cache_config,
                                                          lora_config=None))
-    monkeypatch.setattr(vllm_engine.LLMEngine, "from_engine_args", lambda args: loaded)
+    given: list[Any] = []
+    monkeypatch.setattr(vllm_engine.LLMEngine, "from_engine_args", lambda args: given.append(args) or loaded)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    settings = Settings(model_path=tiny_model_path, engine="vllm", dtype="auto", max_batch_total_tokens=1000)
     with caplog.at_level(logging.INFO, logger="ferry.engine.vllm"):
-        vllm_engine.VllmEngine.load(Settings(model_path=tiny_model_path, engine="vllm", dtype="auto"))
+        vllm_engine.VllmEngine.load(settings)
     lines = [record.getMessage() for record in caplog.records if record.name == "ferry.engine.vllm"]
     assert lines[0] == f"loading the model at {tiny_model_path} (dtype auto, device cpu)"
     assert re.fullmatch(rf"loaded the model at {re.escape(str(tiny_model_path))} in \d+\.\d s "
-                        r"\(dtype bfloat16, device cpu\)", lines[1]), lines
+                        r"\(dtype bfloat16, device cpu\); KV cache of 128 tokens", lines[1]), lines
+    config = AutoConfig.from_pretrained(tiny_model_path)  # float32 weights: 4 bytes a value
+    head_dim = config.hidden_size // config.num_attention_heads
+    per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4
+    assert given[0].kv_cache_memory_bytes == 1000 * per_token
+    for own in ({"gpu_memory_utilization": 0.5}, {"kv_cache_memory_bytes": 10}):
+        vllm_engine.VllmEngine.load(settings.model_copy(update={"vllm_engine_args": own}))
+        assert given[-1].kv_cache_memory_bytes == own.get("kv_cache_memory_bytes")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    vllm_engine.VllmEngine.load(settings)
+    assert given[-1].kv_cache_memory_bytes is None
 
 
 # ----------------------------------------------------------------------------------------- the commands
