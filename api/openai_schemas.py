@@ -75,6 +75,15 @@ StopTokenIds = Annotated[
 ]
 
 
+def _unicode_name(value: str, info: ValidationInfo) -> str:
+    """A model's name is looked up in Redis and repeated in errors, neither of which can carry text that is not
+    valid Unicode (a lone surrogate, "\\ud800" in JSON)."""
+    return check_text(info.field_name or "model", value)
+
+
+ModelName = Annotated[str, AfterValidator(_unicode_name)]
+
+
 def _unsupported(field: str, value: Any, why: str) -> ValueError:
     return ValueError(f"`{field}` {why}. Given: {value!r}")
 
@@ -111,7 +120,7 @@ class SamplingRequest(BaseModel):
         "then": {"properties": {"stream": {"const": True}}, "required": ["stream"]},
     })
 
-    model: str = Field(description="with one model served, any name (TGI's rule); with several, one of them")
+    model: ModelName = Field(description="with one model served, any name (TGI's rule); with several, one of them")
     max_tokens: Annotated[Integer | None, in_range("`max_tokens` must be strictly positive. Given: {v}", gt=0)] = None
     temperature: Annotated[
         float | None, in_range("`temperature` must be >= 0 and <= 2 (0 = greedy). Given: {v}", ge=0.0, le=2.0)
@@ -366,6 +375,8 @@ class ChatCompletionRequest(SamplingRequest):
                 if getattr(part, part.type) is None:
                     raise ValueError(f"`{where}.content[{j}].{part.type}` is required")
             check_text(f"{where}.content", message.text)
+            if message.name is not None:  # the chat template may render it
+                check_text(f"{where}.name", message.name)
         total = sum(len(message.text) for message in v)
         if total > MAX_INPUT_CHARS:
             raise ValueError(f"`messages` must have at most {MAX_INPUT_CHARS} characters of content. Given: {total}")
@@ -525,7 +536,7 @@ class LoadLoraAdapterRequest(BaseModel):
 
     lora_name: str = Field(pattern=ADAPTER_NAME_PATTERN, description="the name requests select it by")
     lora_path: str = Field(min_length=1, description="the peft adapter folder, at the same path on every worker")
-    master_model: str | None = Field(None, description="the served model it adapts; default: the default model")
+    master_model: ModelName | None = Field(None, description="the served model it adapts; default: the default model")
 
 
 class UnloadLoraAdapterRequest(BaseModel):
@@ -534,4 +545,4 @@ class UnloadLoraAdapterRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
     lora_name: str = Field(min_length=1)
-    master_model: str | None = None
+    master_model: ModelName | None = None

@@ -184,6 +184,7 @@ def stand_in_worker(monkeypatch: pytest.MonkeyPatch) -> list[GenerationRequest]:
 SHARED_RULES = [
     ("model", None, "model", "`model`: Input should be a valid string"),
     ("model", 5, "model", "`model`: Input should be a valid string"),
+    ("model", "\ud800", "model", "`model` must be valid Unicode text"),  # was a 500: Redis could not take it
     ("max_tokens", 0, "max_tokens", "`max_tokens` must be strictly positive. Given: 0"),
     ("max_tokens", -1, "max_tokens", "`max_tokens` must be strictly positive"),
     ("max_tokens", 1.5, "max_tokens", "`max_tokens`: Input should be a valid integer"),
@@ -342,6 +343,7 @@ MESSAGE_RULES = [
     ([message(role="assistant", content="", tool_calls=[{"id": "1", "type": "function"}])], "messages",
      "`messages[0].tool_calls` is not supported"),
     ([message(content="\ud800")], "messages", "`messages[0].content` must be valid Unicode text"),
+    ([message(name="a\udcffb")], "messages", "`messages[0].name` must be valid Unicode text"),
     ([message(content="x" * (4 * 1024 * 1024 + 1))], "messages",
      "`messages` must have at most 4194304 characters of content"),
 ]
@@ -474,6 +476,20 @@ def test_with_several_models_an_unknown_name_is_404(
     response = post(two_models_client, route, {**body, "model": "dummy"})
     assert_openai_error(response, 404, f"The model `dummy` does not exist: this server serves `{MODEL}`, `chatty`.",
                         "model", "model_not_found")
+
+
+@pytest.mark.parametrize(("route", "body"), [
+    (COMPLETIONS, completion_body()),
+    ("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/nowhere"}),
+    ("/v1/unload_lora_adapter", {"lora_name": "a"}),
+])
+def test_a_model_name_that_is_not_unicode_is_400(two_models_client: TestClient, route: str, body: dict[str, Any]
+                                                 ) -> None:
+    """Not a 500 (the fuzzer's find): the name was looked up in Redis, or repeated in the 404's JSON, and neither
+    takes a lone surrogate."""
+    param = "model" if route == COMPLETIONS else "master_model"
+    response = post(two_models_client, route, {**body, param: "a\ud800"})
+    assert_openai_error(response, 400, f"`{param}` must be valid Unicode text", param)
 
 
 def test_with_several_models_the_named_one_answers(
