@@ -32,12 +32,13 @@ from sse_starlette import EventSourceResponse
 from api import __version__
 from api.context import ServerContext, get_ctx
 from api.errors import ProtocolError, error_route_class, validation_error
+from api.inference import REST_STATUSES, InferenceRequest, Protocol, generate, resolve, resolve_ids, submit
 from api.kserve_schemas import (
     DATATYPE,
     INPUT_NAME,
     OUTPUT_NAME,
-    KServeErrorResponse,
     InferenceStatistics,
+    KServeErrorResponse,
     KServeGenerateRequest,
     KServeGenerateResponse,
     KServeInferRequest,
@@ -57,7 +58,6 @@ from api.kserve_schemas import (
     StatisticDuration,
     StopInferRequest,
 )
-from api.inference import REST_STATUSES, InferenceRequest, Protocol, generate, resolve, resolve_ids, submit
 from api.metrics import series
 from api.pipeline import GenerationRequest, GenerationResult, send_control, unready_reason
 from api.sse import event_stream

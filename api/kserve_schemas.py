@@ -18,13 +18,13 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from api.pipeline import (
-    validate_adapter_id,
     MAX_INPUT_CHARS,
     MAX_STOP_CHARS,
     MAX_STOP_ITEMS,
     REQUEST_ID_PATTERN,
     REQUEST_ID_REGEX,
     check_text,
+    validate_adapter_id,
     validate_stop,
 )
 from api.ranges import Integer, in_range, stop_schema, text_schema

@@ -67,6 +67,7 @@ from api.inference import InferenceRequest, generate, new_request_id, resolve, s
 from api.mindie_schemas import (
     NUL,
     GenerateBody,
+    MetricsJsonResponse,
     MindIEDetails,
     MindIEInferRequest,
     MindIEInferResponse,
@@ -74,7 +75,6 @@ from api.mindie_schemas import (
     MindIEStreamDetails,
     MindIEStreamResponse,
     MindIEStreamToken,
-    MetricsJsonResponse,
     ModelLoad,
     ModelMetrics,
     SlotCountResponse,

@@ -200,7 +200,7 @@ class MindIEInferRequest(BaseModel):
         return check_token_ids("input_id", v)
 
     @model_validator(mode="after")
-    def _one_prompt(self) -> "MindIEInferRequest":
+    def _one_prompt(self) -> MindIEInferRequest:
         if self.inputs is not None and self.input_id is not None:
             raise ValueError("Input conflict.")
         if self.inputs is None and self.input_id is None:

@@ -31,6 +31,7 @@ from pydantic import BaseModel
 from api import adapters
 from api.context import ModelInfo, ServerContext, get_ctx
 from api.errors import ProtocolError, error_route_class
+from api.inference import REST_STATUSES, InferenceRequest, Protocol, generate, new_request_id, resolve, submit
 from api.openai_schemas import (
     ChatChoice,
     ChatChunkChoice,
@@ -52,7 +53,6 @@ from api.openai_schemas import (
     UnloadLoraAdapterRequest,
     Usage,
 )
-from api.inference import REST_STATUSES, InferenceRequest, Protocol, generate, new_request_id, resolve, submit
 from api.pipeline import GenerationRequest, PipelineError
 from api.sse import event_stream
 from common.protocol import Finish, TokenEvent

@@ -30,9 +30,10 @@ from api.pipeline import (
 )
 from api.sse import event_stream
 from api.tgi_schemas import (
+    InfoModel,
+    TextItem,
     TGIDetails,
     TGIErrorResponse,
-    InfoModel,
     TGIGenerateResponse,
     TGIInfo,
     TGIPrefillToken,
@@ -41,7 +42,6 @@ from api.tgi_schemas import (
     TGIStreamResponse,
     TGIStreamToken,
     TGIToken,
-    TextItem,
     prompt_parts,
 )
 from common.protocol import TokenEvent

@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.protocol import Job, SamplingParams  # noqa: E402
 from common.settings import Settings  # noqa: E402
 from worker.attention import use_padded_attention  # noqa: E402
-from worker.transformers_engine import TransformersEngine  # noqa: E402
 from worker.tiny_model import make_tiny_model  # noqa: E402
+from worker.transformers_engine import TransformersEngine  # noqa: E402
 
 
 def make_prompts(tokenizer: PreTrainedTokenizerBase, vocab_size: int, count: int, length: int) -> list[list[int]]:

@@ -110,7 +110,7 @@ class FakeTokenEngine(Engine):
         return self.settings.max_batch_total_tokens
 
     @classmethod
-    def load(cls, settings: Settings) -> "FakeTokenEngine":
+    def load(cls, settings: Settings) -> FakeTokenEngine:
         return cls(settings, DEFAULT_INTERVAL_MS / 1000)
 
     def step(self) -> list[StepOutput]:

@@ -57,7 +57,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,9 +68,8 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path[:0] = [str(ROOT), str(BENCH)]
 
-from loadgen import COMPLETIONS_ROUTE, STREAM_ROUTE, run_level, summarize  # noqa: E402
-
 from common.process import child_process, stop_processes  # noqa: E402
+from loadgen import COMPLETIONS_ROUTE, STREAM_ROUTE, run_level, summarize  # noqa: E402
 from worker.tiny_model import ensure_tiny_model, make_tiny_vlm  # noqa: E402
 
 CORPUS = ROOT / "worker" / "data" / "corpus.txt"
@@ -780,7 +779,7 @@ def machine_facts(ferry_root: Path) -> dict[str, Any]:
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ferry_root,
                            capture_output=True, text=True)
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "nproc": os.cpu_count(),
         "cpu_model": next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
                            if line.startswith("model name")), platform.processor()),

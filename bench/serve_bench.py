@@ -54,16 +54,16 @@ sys.path[:0] = [str(ROOT), str(BENCH)]
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from bench_engine import make_prompts  # noqa: E402
-from loadgen import COLLECT_ROUTE, STREAM_ROUTE, RequestRecord, run_level, summarize, tgi_body  # noqa: E402
 
-from server.embedded import embedded_redis  # noqa: E402
+from bench_engine import make_prompts  # noqa: E402
 from common.process import freeze_startup_heap  # noqa: E402
 from common.protocol import ErrorEvent, Job, SamplingParams  # noqa: E402
 from common.settings import Settings, default_model_dir  # noqa: E402
+from loadgen import COLLECT_ROUTE, STREAM_ROUTE, RequestRecord, run_level, summarize, tgi_body  # noqa: E402
+from server.embedded import embedded_redis  # noqa: E402
 from tests.conftest import Stack, free_port, stop_stack, wait_healthy  # noqa: E402
-from worker.transformers_engine import TransformersEngine  # noqa: E402
 from worker.tiny_model import ensure_tiny_model  # noqa: E402
+from worker.transformers_engine import TransformersEngine  # noqa: E402
 
 REQUEST_TIMEOUT = 120.0
 FANOUT_LINKS = 100_000  # MAX_LINK_NUM / MAX_QUEUE_SIZE / the fake worker's MAX_BATCH_SIZE for the fan-out run
@@ -94,7 +94,7 @@ def machine_facts() -> dict[str, Any]:
     meminfo = Path("/proc/meminfo").read_text()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "nproc": os.cpu_count(),
         "cpu_model": next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
                            if line.startswith("model name")), platform.processor()),

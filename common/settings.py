@@ -30,8 +30,8 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 import jinja2
 import jinja2.ext
@@ -45,8 +45,6 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from common import mindie_config
-from common.protocol import ADAPTER_NAME_PATTERN
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -54,6 +52,9 @@ from pydantic_settings import (
     PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
+
+from common import mindie_config
+from common.protocol import ADAPTER_NAME_PATTERN
 
 EngineName = Literal["transformers", "vllm"]
 # The vllm.EngineArgs fields whose product is the devices one vLLM worker runs its model on (vLLM's world size).
@@ -264,7 +265,7 @@ def flatten_config(data: Any) -> dict[str, Any]:
     return flat
 
 
-def effective_config(settings: "Settings") -> dict[str, Any]:
+def effective_config(settings: Settings) -> dict[str, Any]:
     """The settings in the config file's nested layout (the inverse of :func:`flatten_config`), without
     secrets: no ``apiKeys``, the Redis password masked in ``redisUrl``. The served models are ``ModelConfig``
     (the default one first), so the flat-only ``modelName`` / ``modelWeightPath`` are not repeated."""
@@ -611,7 +612,7 @@ class Settings(BaseSettings):
         return json.loads(value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
-    def _consistent(self) -> "Settings":
+    def _consistent(self) -> Settings:
         if self.max_input_token_len >= self.max_seq_len:
             self.max_input_token_len = self.max_seq_len - 1
         if self.max_prefill_batch_size == 0:

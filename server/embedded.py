@@ -137,7 +137,7 @@ class WorkerProcesses:
         self._stopping = threading.Event()
         self.failure: str | None = None
 
-    def __enter__(self) -> "WorkerProcesses":
+    def __enter__(self) -> WorkerProcesses:
         self._procs = [child_process([sys.executable, "-m", "worker.main"], env=env) for env in self._envs]
         threading.Thread(target=self._watch, name="worker-watch", daemon=True).start()
         return self

@@ -119,7 +119,8 @@ def transformers_references(path: Path, prompts: list[list[int]]) -> list[Refere
 
 def vllm_references(path: Path, prompts: list[list[int]]) -> list[Reference]:
     """vLLM's offline ``LLM.generate``, in this process, shut down before the engine under test starts."""
-    from vllm import LLM, SamplingParams as VllmSamplingParams, TokensPrompt
+    from vllm import LLM, TokensPrompt
+    from vllm import SamplingParams as VllmSamplingParams
 
     llm = LLM(model=str(path), dtype="float32", seed=0, kv_cache_memory_bytes=2**30, **VLLM_ARGS)
     try:

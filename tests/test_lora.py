@@ -18,13 +18,13 @@ import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from openai import NotFoundError, OpenAI
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from api.adapters import allowed_folder
 from api.app import create_app
 from common.settings import Settings, load_settings
+from openai import NotFoundError, OpenAI
 from tests.conftest import Stack, start_stack, stop_stack
 from tests.sse import sse_data
 from tests.test_engine_contract import VLLM_ARGS, require_vllm

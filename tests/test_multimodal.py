@@ -21,7 +21,6 @@ import pytest
 import redis
 import torch
 from fastapi.testclient import TestClient
-from openai import BadRequestError, OpenAI
 from transformers import AutoProcessor, AutoTokenizer, LlavaForConditionalGeneration
 
 from api.app import create_app
@@ -29,6 +28,7 @@ from common import keys
 from common.images import ImageRefused, open_image
 from common.protocol import Job, MediaRef, SamplingParams
 from common.settings import Settings
+from openai import BadRequestError, OpenAI
 from tests.conftest import Stack, start_stack, stop_stack
 from tests.sse import sse_data
 from worker.engine import RequestRefused

@@ -51,8 +51,8 @@ from common.protocol import (
 from common.settings import Settings
 from tests.conftest import Stack, free_port, start_stack, stop_stack, wait_for
 from tests.fakes import one_token_submit, patch_submit
-from worker.transformers_engine import TransformersEngine
 from worker.main import WorkerLoop
+from worker.transformers_engine import TransformersEngine
 
 PROMPT = "def main("
 

@@ -46,7 +46,7 @@ class ForwardArgs:
     step: LlamaStep | None = None  # the model's passes without its forward, where they apply
 
     @classmethod
-    def of(cls, model: PreTrainedModel) -> "ForwardArgs":
+    def of(cls, model: PreTrainedModel) -> ForwardArgs:
         declared = inspect.signature(model.forward).parameters
         return cls(accepts_4d_mask(model), "position_ids" in declared, "logits_to_keep" in declared,
                    LlamaStep.of(model))
@@ -105,7 +105,7 @@ class DecodeBatch:
         forward: ForwardArgs,
         adapters: Sequence[str | None],
         extra_inputs: dict[str, torch.Tensor] | None = None,
-    ) -> tuple["DecodeBatch", torch.Tensor, torch.Tensor, list[list[float] | None]]:
+    ) -> tuple[DecodeBatch, torch.Tensor, torch.Tensor, list[list[float] | None]]:
         """Run the prompts through the model in one left-padded pass and choose each row's first token, each
         row with its adapter of ``adapters``; ``extra_inputs`` go to the model's forward too (the rows' media
         features, in row order).
@@ -166,7 +166,7 @@ class DecodeBatch:
         self.sampler = self.sampler.select(keep)
         self.adapters = [self.adapters[row] for row in keep]
 
-    def merge(self, other: "DecodeBatch") -> None:
+    def merge(self, other: DecodeBatch) -> None:
         """Append the rows of ``other``, left-padding whichever cache is narrower."""
         width = max(self.attention_mask.shape[1], other.attention_mask.shape[1])
         self.attention_mask = _stack_left_padded([self.attention_mask, other.attention_mask], width, seq_dim=1)

@@ -70,7 +70,7 @@ class PackedLinear(torch.nn.Linear):
     takes its output from its :class:`SiblingGroup` when it belongs to one."""
 
     packed_weight: torch.Tensor
-    group: "SiblingGroup | None" = None
+    group: SiblingGroup | None = None
 
     def pack(self) -> None:
         """(Re)build the packed copy from the dense weight; call it after changing ``weight``."""

@@ -44,7 +44,7 @@ class EngineLoadError(RuntimeError):
     message says which, in one line, so the worker can exit with it."""
 
     @classmethod
-    def for_model(cls, path: object, exc: BaseException, what: str = "cannot load the model") -> "EngineLoadError":
+    def for_model(cls, path: object, exc: BaseException, what: str = "cannot load the model") -> EngineLoadError:
         return cls(f"{what} at {path}: {' '.join(str(exc).split())}")
 
 
@@ -233,7 +233,7 @@ def eos_token_ids(*sources: object) -> frozenset[int]:
 
 
 def prompt_details(
-    tokenizer: "PreTrainedTokenizerBase", input_ids: list[int], logprobs: Sequence[float | None], special_ids: frozenset[int]
+    tokenizer: PreTrainedTokenizerBase, input_ids: list[int], logprobs: Sequence[float | None], special_ids: frozenset[int]
 ) -> list[TokenInfo]:
     """``decoder_input_details``: each prompt token with its text and the logprob the model gave it (the
     first token has none, so ``logprobs`` holds one fewer)."""
@@ -254,7 +254,7 @@ class Engine(ABC):
 
     @classmethod
     @abstractmethod
-    def load(cls, settings: Settings) -> "Engine":
+    def load(cls, settings: Settings) -> Engine:
         """Load the model of ``settings``; raises :class:`EngineLoadError` when it cannot serve it here."""
 
     @abstractmethod

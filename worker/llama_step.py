@@ -108,7 +108,7 @@ class LlamaStep:
     module docstring."""
 
     @classmethod
-    def of(cls, model: PreTrainedModel) -> "LlamaStep | None":
+    def of(cls, model: PreTrainedModel) -> LlamaStep | None:
         """The step for ``model``, eager, or None where it does not apply (:func:`applies`)."""
         return cls(model) if applies(model) else None
 

@@ -52,7 +52,7 @@ class MediaProcessor:
 
     @classmethod
     def load(cls, path: Path, config: PretrainedConfig, trust_remote_code: bool,
-             max_pixels: int) -> "MediaProcessor | None":
+             max_pixels: int) -> MediaProcessor | None:
         """The processor of a model whose config declares an image placeholder; None for a text-only model."""
         declared = declared_media(config.to_dict())
         if "image" not in declared:

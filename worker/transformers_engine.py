@@ -39,11 +39,10 @@ from transformers import (
 from common.model_files import ModelUnavailable, model_file
 from common.protocol import AdapterRef, ErrorEvent, Job, TokenEvent
 from common.settings import Settings
+from worker import lora
 from worker.attention import use_padded_attention
 from worker.batch import BASE_ADAPTER, DecodeBatch, ForwardArgs
 from worker.cpu_linear import use_packed_linear
-from worker import lora
-from worker.media import MediaProcessor, concatenate
 from worker.detokenizer import make_decoder
 from worker.engine import (
     AdapterSet,
@@ -59,6 +58,7 @@ from worker.engine import (
     new_request_state,
     prompt_details,
 )
+from worker.media import MediaProcessor, concatenate
 
 log = logging.getLogger("ferry.engine")
 
@@ -101,7 +101,7 @@ class TransformersEngine(Engine):
         return self._forward.step is not None and self._forward.step.compiled is not None
 
     @classmethod
-    def load(cls, settings: Settings) -> "TransformersEngine":
+    def load(cls, settings: Settings) -> TransformersEngine:
         """Load the model and tokenizer of ``settings.resolved_model_path`` (a folder or a Hugging Face id) onto
         ``settings.device``. The device and the model's config are checked first, so that a wrong setting
         costs a second and one line, not a model load and a traceback."""

@@ -129,7 +129,7 @@ class VllmEngine(Engine):
         self._stopping: set[str] = set()
 
     @classmethod
-    def load(cls, settings: Settings) -> "VllmEngine":
+    def load(cls, settings: Settings) -> VllmEngine:
         """vLLM's engine over the model of ``settings`` (a folder or a Hugging Face id, which vLLM resolves
         as ``from_pretrained`` does); the model's config is checked first, for one clear line when it is
         missing."""
