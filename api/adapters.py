@@ -44,7 +44,7 @@ async def model_of(ctx: ServerContext, adapter: str) -> ServerContext | None:
     for model in ctx.models:
         pipe.hexists(keys.adapters_key(model), adapter)
     found = await pipe.execute()
-    return next((ctx.for_model(model) for model, has in zip(ctx.models, found) if has), None)
+    return next((ctx.for_model(model) for model, has in zip(ctx.models, found, strict=True) if has), None)
 
 
 async def was_unloaded(ctx: ServerContext, name: str) -> bool:

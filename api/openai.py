@@ -289,7 +289,8 @@ async def _respond(
 async def completions(body: CompletionRequest, ctx: Ctx, http: Request) -> Response:
     """Text completion of one prompt (a string or token ids)."""
     ctx, adapter = await model_context(ctx, body.model)
-    shape = CompletionShape(id=f"cmpl-{new_request_id()}", created=int(time.time()), model=adapter or ctx.model.model_id)
+    shape = CompletionShape(id=f"cmpl-{new_request_id()}", created=int(time.time()),
+                            model=adapter or ctx.model.model_id)
     return await _respond(ctx, body, await to_completion_request(ctx, body, shape.id, adapter), shape, http)
 
 

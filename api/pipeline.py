@@ -333,7 +333,7 @@ async def _admit(ctx: ServerContext, job: Job, request: GenerationRequest) -> No
     settings, model = ctx.settings, job.model
     ttl = int(settings.e2e_timeout) + 60
     pipe = ctx.redis.pipeline(transaction=False)
-    for ref, item in zip(job.media, request.media):
+    for ref, item in zip(job.media, request.media, strict=True):
         pipe.set(ref.key, item.data, ex=ttl)
     notice = publish_command(settings.redis_cluster, keys.control_channel(model),
                              Control(request_id=job.request_id, action="queued").model_dump_json())

@@ -51,7 +51,9 @@ class TGIParameters(BaseModel):
         in_range(f"`max_new_tokens` must be strictly positive and <= {UINT32_MAX_PARAM}. Given: {{v}}",
                  gt=0, le=UINT32_MAX_PARAM),
     ] = None
-    repetition_penalty: Annotated[float | None, in_range("`repetition_penalty` must be strictly positive", gt=0.0)] = None
+    repetition_penalty: Annotated[
+        float | None, in_range("`repetition_penalty` must be strictly positive", gt=0.0)
+    ] = None
     return_full_text: bool | None = None
     seed: Annotated[
         Integer | None, in_range(f"`seed` must be > 0 and <= {UINT64_MAX}. Given: {{v}}", gt=0, le=UINT64_MAX)

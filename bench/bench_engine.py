@@ -138,10 +138,12 @@ def main(argv: list[str] | None = None) -> None:
     for label, (tokens, seconds) in best.items():
         print(f"| {label} | {tokens} | {seconds:.2f} | {rate[label]:.1f} |")
     print()
-    engine = {c: rate[label] for c, label in zip(args.concurrency, runs)}
+    # the engine's runs come first in ``runs``, one per concurrency; the static ones follow
+    engine = {c: rate[label] for c, label in zip(args.concurrency, runs, strict=False)}
     static = {b: rate[f"static model.generate, batch {b}"] for b in args.static_batch}
     for concurrency in sorted(set(engine) & set(static)):
-        print(f"engine @ {concurrency} / static generate @ {concurrency}: {engine[concurrency] / static[concurrency]:.2f}")
+        print(f"engine @ {concurrency} / static generate @ {concurrency}: "
+              f"{engine[concurrency] / static[concurrency]:.2f}")
     if 1 in engine:
         top = max(engine)
         print(f"engine @ {top} / sequential serving: {engine[top] / engine[1]:.1f}x")

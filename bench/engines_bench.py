@@ -440,7 +440,9 @@ def stop_tree(process: subprocess.Popen[bytes]) -> None:
 # -- the run ---------------------------------------------------------------------------------------
 
 
-def measure(args: argparse.Namespace, cfg: Config, sides: dict[str, Side], prompts: list[list[int]]) -> list[dict[str, Any]]:
+def measure(
+    args: argparse.Namespace, cfg: Config, sides: dict[str, Side], prompts: list[list[int]]
+) -> list[dict[str, Any]]:
     """Every round, every level, every side back to back; odd rounds in reverse side order."""
     runs = []
     order = list(sides)
@@ -530,9 +532,10 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Engines benchmark", "",
         f"Command: `{config['command']}`", "",
-        f"Machine: {facts['nproc']} cores ({facts['cpu_model']}), {facts['ram_gib']} GiB RAM, Python {facts['python']}, "
-        f"torch {facts['torch']}, transformers {facts['transformers']}, vllm {facts['vllm']} (server venv: "
-        f"{facts.get('vllm_server_venv', '–')}), {facts['date']}, commit {facts['git_commit']}, load average at start "
+        f"Machine: {facts['nproc']} cores ({facts['cpu_model']}), {facts['ram_gib']} GiB RAM, "
+        f"Python {facts['python']}, torch {facts['torch']}, transformers {facts['transformers']}, "
+        f"vllm {facts['vllm']} (server venv: {facts.get('vllm_server_venv', '–')}), {facts['date']}, "
+        f"commit {facts['git_commit']}, load average at start "
         f"{' / '.join(str(x) for x in facts['load_average_at_start'])}.", "",
         f"Workload: a {report['model']['parameters'] / 1e6:.1f}M-parameter Llama ({report['model']['shape']}), "
         f"float32, prompts of {config['prompt_tokens']} token ids, exactly {config['new_tokens']} new tokens per "
@@ -619,7 +622,8 @@ def main(argv: list[str] | None = None) -> None:
           f"vLLM binds its engine core to cores {bound}", flush=True)
 
     with contextlib.ExitStack() as stack:
-        redis_url = stack.enter_context(embedded_redis("redis-server")) if any(s.startswith("ferry") for s in sides) else ""
+        served = any(s.startswith("ferry") for s in sides)
+        redis_url = stack.enter_context(embedded_redis("redis-server")) if served else ""
         starters: dict[str, Callable[[], contextlib.AbstractContextManager[Side]]] = {
             "transformers": lambda: transformers_in_process(cfg),
             "vllm-offline": lambda: vllm_offline(cfg),

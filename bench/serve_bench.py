@@ -288,7 +288,7 @@ def confined(cpus: list[int]) -> Iterator[None]:
     try:
         yield
     finally:
-        for process, affinity in zip(processes, before):
+        for process, affinity in zip(processes, before, strict=True):
             process.cpu_affinity(affinity)
 
 
@@ -343,7 +343,7 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
 def overhead(load: dict[str, list[dict[str, Any]]], new_tokens: int) -> list[dict[str, Any]]:
     """Served stream minus in-process engine, level by level (p50s; positive: the hop costs that much)."""
     rows = []
-    for served_row, local in zip(load["stream"], load["in_process"]):
+    for served_row, local in zip(load["stream"], load["in_process"], strict=True):
         added_e2e = served_row["e2e_p50_ms"] - local["e2e_p50_ms"]
         rows.append({
             "concurrency": served_row["concurrency"],
@@ -374,8 +374,9 @@ def targets(report: dict[str, Any]) -> list[str]:
         top = max(held, default=0)
         steady = max((row["streams"] for row in report["fanout"] if not row["errors"]
                       and row["steady_itl_p99_ms"] is not None and row["steady_itl_p99_ms"] < ITL_TARGET_MS), default=0)
-        lines.append(f"- one API pod on one core holds 1000 streams with p99 inter-token latency < {ITL_TARGET_MS:g} ms: "
-                     f"**held {top} streams** (largest level measured: {report['fanout'][-1]['streams']}; "
+        lines.append(f"- one API pod on one core holds 1000 streams with p99 inter-token latency "
+                     f"< {ITL_TARGET_MS:g} ms: **held {top} streams** "
+                     f"(largest level measured: {report['fanout'][-1]['streams']}; "
                      f"{steady} once all streams are open), {'met' if top >= 1000 else 'NOT met'}")
     return lines
 
@@ -385,8 +386,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Ferry serving benchmark", "",
         f"Command: `{config['command']}`", "",
-        f"Machine: {facts['nproc']} cores ({facts['cpu_model']}), {facts['ram_gib']} GiB RAM, Python {facts['python']}, "
-        f"torch {facts['torch']}, {facts['date']}, commit {facts['git_commit']}, load average at start "
+        f"Machine: {facts['nproc']} cores ({facts['cpu_model']}), {facts['ram_gib']} GiB RAM, "
+        f"Python {facts['python']}, torch {facts['torch']}, {facts['date']}, commit {facts['git_commit']}, "
+        "load average at start "
         f"{' / '.join(str(x) for x in facts['load_average_at_start'])}.", "",
         f"Workload: tiny model (EOS off), prompts of {config['prompt_tokens']} tokens, {config['new_tokens']} new "
         f"tokens per request (greedy), {config['requests']} requests per level, closed-loop clients; workers "
@@ -402,7 +404,8 @@ def markdown(report: dict[str, Any]) -> str:
                 rows.append([label, row["concurrency"], row["requests"], row["errors"], f"{row['requests_per_s']:.2f}",
                              f"{row['tokens_per_s']:.0f}", *_latency_cells(row, ("ttft", "itl", "e2e"))])
         lines += ["## Load (API -> Redis -> worker -> pub/sub -> API) and the in-process engine", "",
-                  *_table(["path", "concurrency", "requests", "errors", "req/s", "tokens/s", *latency_header], rows), "",
+                  *_table(["path", "concurrency", "requests", "errors", "req/s", "tokens/s", *latency_header],
+                          rows), "",
                   "## Overhead of the queue hop (served stream minus in-process engine, p50s)", "",
                   *_table(["concurrency", "added TTFT", "added ITL", "added e2e", "added e2e per token",
                            "served / in-process tokens/s"],
@@ -419,7 +422,8 @@ def markdown(report: dict[str, Any]) -> str:
                   "but not running (/proc schedstat). Steady ITL: only the gaps after every stream of the level "
                   "has its first token (all streams open at once; this leaves out the burst of opening them).", "",
                   *_table(["streams", "errors", "tokens/s relayed", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99",
-                           "steady ITL p50", "steady ITL p99", "relay lag p50", "relay lag p99", "API CPU % of a core", "API CPU µs per token",
+                           "steady ITL p50", "steady ITL p99", "relay lag p50", "relay lag p99",
+                           "API CPU % of a core", "API CPU µs per token",
                            "API waiting for a core %",
                            "API peak RSS MiB",
                            "fake worker CPU %", "client CPU %"],
@@ -451,7 +455,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig, (rate, ttft) = plt.subplots(1, 2, figsize=(11, 4.2))
     levels = [row["concurrency"] for row in report["load"]["stream"]]
     for (key, label), color in zip((("stream", "served /generate_stream"), ("non_stream", "served /generate"),
-                                    ("in_process", "in-process engine")), ("C0", "C1", "C2")):
+                                    ("in_process", "in-process engine")), ("C0", "C1", "C2"), strict=True):
         rows = report["load"][key]
         rate.plot(levels, [row["tokens_per_s"] for row in rows], marker="o", color=color, label=label)
         if key != "non_stream":

@@ -72,7 +72,7 @@ async def read_model_state(redis: AsyncRedis, model: str, now: float) -> ModelSt
     consumers = [(member.decode() if isinstance(member, bytes) else member, score) for member, score in beats]
     raw = await redis.mget([keys.worker_status(model, consumer) for consumer, _ in consumers]) if consumers else []
     workers = []
-    for (consumer, expires), status in zip(consumers, raw):
+    for (consumer, expires), status in zip(consumers, raw, strict=True):
         try:
             pool, host, pid = keys.parse_consumer_name(consumer)
         except ValueError:

@@ -375,7 +375,8 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", **_spec("ServerConfig", "ipAddress", "HOST"))
     port: int = Field(8080, ge=1, le=65535, **_spec("ServerConfig", "port", "PORT"))
     https_enabled: bool = Field(False, **_spec("ServerConfig", "httpsEnabled", "HTTPS_ENABLED"))
-    tls_cert: Path | None = Field(None, description="PEM certificate (chain)", **_spec("ServerConfig", "tlsCert", "TLS_CERT"))
+    tls_cert: Path | None = Field(None, description="PEM certificate (chain)",
+                                  **_spec("ServerConfig", "tlsCert", "TLS_CERT"))
     tls_pk: Path | None = Field(None, description="PEM private key", **_spec("ServerConfig", "tlsPk", "TLS_PK"))
     tls_ca_certs: Path | None = Field(
         None, description="PEM CA bundle: when set, clients must present a certificate it signed (mutual TLS)",
@@ -508,7 +509,9 @@ class Settings(BaseSettings):
         **_spec("BackendConfig", "vllmEngineArgs", "VLLM_ENGINE_ARGS"),
     )
     device: str = Field("cpu", **_spec("BackendConfig", "device", "DEVICE"))
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("float32", **_spec("BackendConfig", "dtype", "DTYPE"))
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "float32", **_spec("BackendConfig", "dtype", "DTYPE")
+    )
     max_batch_size: int = Field(32, gt=0, **_spec("ScheduleConfig", "maxBatchSize", "MAX_BATCH_SIZE"))
     max_prefill_tokens: int = Field(
         8192, gt=0, **_spec("ScheduleConfig", "maxPrefillTokens", "MAX_PREFILL_TOKENS", "MAX_BATCH_PREFILL_TOKENS")
@@ -603,7 +606,9 @@ class Settings(BaseSettings):
         """ALLOWED_MEDIA_DOMAINS_ENV is comma separated (the seed's form); hosts compare case-insensitively."""
         if isinstance(value, str):
             value = value.split(",")
-        return [host.strip().lower().rstrip(".") for host in value if host.strip()] if isinstance(value, list) else value
+        if not isinstance(value, list):
+            return value
+        return [host.strip().lower().rstrip(".") for host in value if host.strip()]
 
     @field_validator("models", mode="before")
     @classmethod

@@ -144,7 +144,7 @@ class WorkerProcesses:
 
     def _watch(self) -> None:
         while not self._stopping.wait(WATCH_INTERVAL_SECONDS):
-            for env, proc in zip(self._envs, self._procs):
+            for env, proc in zip(self._envs, self._procs, strict=True):
                 # poll first: an exit seen after the stop began is one the stop caused
                 if (code := proc.poll()) is not None and not self._stopping.is_set():
                     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
@@ -182,7 +182,7 @@ def serve_all(settings: Settings, given: dict[str, Any], redis_url: str | None, 
         envs = [settings_env(os.environ, {**given, "redis_url": redis_url, "model_path": entry.path,
                                           "model_name": entry.name, "engine": settings.engine,
                                           **({"cpu_threads_bind": bind} if bind else {})})
-                for entry, bind in zip(models, binds)]
+                for entry, bind in zip(models, binds, strict=True)]
         with WorkerProcesses(envs, settings.shutdown_grace_seconds, stop_server) as procs:
             run_server(server)
         return procs.failure

@@ -70,7 +70,8 @@ def base_engine(tiny_model_path: Path) -> TransformersEngine:
 def make_loop(engine: TransformersEngine, server: fakeredis.FakeServer, consumer: str, **settings: Any) -> WorkerLoop:
     """A worker with a fresh engine over the shared model (a new worker process, as far as Redis knows)."""
     config = Settings(model_path=engine.settings.model_path, model_name="m", **settings)
-    loop = WorkerLoop(config, fakeredis.FakeRedis(server=server), TransformersEngine(engine.model, engine.tokenizer, config))
+    loop = WorkerLoop(config, fakeredis.FakeRedis(server=server),
+                      TransformersEngine(engine.model, engine.tokenizer, config))
     loop.consumer = consumer
     loop.connect()
     return loop
@@ -303,7 +304,9 @@ def test_running_job_is_dropped_at_its_deadline(base_engine: TransformersEngine)
 
 
 
-def test_a_wall_clock_step_does_not_expire_a_running_job(base_engine: TransformersEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_wall_clock_step_does_not_expire_a_running_job(
+    base_engine: TransformersEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The worker reads the wall clock once, when it accepts a job; an NTP step or a resumed VM after that
     moves no deadline (a CI run once saw a request time out before its e2eTimeout)."""
     server = fakeredis.FakeServer()
@@ -542,8 +545,8 @@ class RedisServer:
 class Cluster:
     """A stack (workers and the main API pod) of one model plus extra API pods, over a private Redis.
 
-    ``main``: the stack's pod (maxQueueSize 8, shutdownGraceSeconds 10, maxIterTimes 2000). ``strict``: the same model with
-    e2eTimeout 1.5 s. ``idle``: a model no worker serves, with tokenTimeout 3 s, maxLinkNum 3,
+    ``main``: the stack's pod (maxQueueSize 8, shutdownGraceSeconds 10, maxIterTimes 2000). ``strict``: the same
+    model with e2eTimeout 1.5 s. ``idle``: a model no worker serves, with tokenTimeout 3 s, maxLinkNum 3,
     maxQueueSize 4. Tests that kill or stop processes put back what the next test needs.
     """
 

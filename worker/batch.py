@@ -130,7 +130,7 @@ class DecodeBatch:
         ids, logprobs = sampler(logits[:, -1, :])
         prompt_logprobs = [
             _prompt_logprobs(logits[row], prompt) if details else None
-            for row, (prompt, details) in enumerate(zip(prompts, prompt_details))
+            for row, (prompt, details) in enumerate(zip(prompts, prompt_details, strict=True))
         ]
         batch = cls(cache, attention_mask, ids[:, None], positions[:, -1:] + 1, sampler, list(adapters))
         return batch, ids, logprobs, prompt_logprobs
@@ -160,7 +160,9 @@ class DecodeBatch:
         attention_mask = self.attention_mask[index]
         start = int(attention_mask.any(dim=0).int().argmax())
         self.attention_mask = attention_mask[:, start:]
-        self.cache = _build_cache((keys[index, :, start:], values[index, :, start:]) for keys, values in _layers(self.cache))
+        self.cache = _build_cache(
+            (keys[index, :, start:], values[index, :, start:]) for keys, values in _layers(self.cache)
+        )
         self.next_ids = self.next_ids[index]
         self.positions = self.positions[index]
         self.sampler = self.sampler.select(keep)
@@ -171,8 +173,10 @@ class DecodeBatch:
         width = max(self.attention_mask.shape[1], other.attention_mask.shape[1])
         self.attention_mask = _stack_left_padded([self.attention_mask, other.attention_mask], width, seq_dim=1)
         self.cache = _build_cache(
-            (_stack_left_padded([keys, other_keys], width, seq_dim=2), _stack_left_padded([values, other_values], width, seq_dim=2))
-            for (keys, values), (other_keys, other_values) in zip(_layers(self.cache), _layers(other.cache))
+            (_stack_left_padded([keys, other_keys], width, seq_dim=2),
+             _stack_left_padded([values, other_values], width, seq_dim=2))
+            for (keys, values), (other_keys, other_values)
+            in zip(_layers(self.cache), _layers(other.cache), strict=True)
         )
         self.next_ids = torch.cat([self.next_ids, other.next_ids])
         self.positions = torch.cat([self.positions, other.positions])

@@ -140,7 +140,7 @@ class SiblingGroup:
             stacked = self.stacked(input)
             self._input = input
             parts = stacked.split(self._sizes, dim=-1)
-            self._outputs = {id(m): part.contiguous() for m, part in zip(self.members, parts)}
+            self._outputs = {id(m): part.contiguous() for m, part in zip(self.members, parts, strict=True)}
         output = self._outputs.pop(id(member))
         if not self._outputs:
             self._input = None

@@ -233,14 +233,17 @@ def eos_token_ids(*sources: object) -> frozenset[int]:
 
 
 def prompt_details(
-    tokenizer: PreTrainedTokenizerBase, input_ids: list[int], logprobs: Sequence[float | None], special_ids: frozenset[int]
+    tokenizer: PreTrainedTokenizerBase,
+    input_ids: list[int],
+    logprobs: Sequence[float | None],
+    special_ids: frozenset[int],
 ) -> list[TokenInfo]:
     """``decoder_input_details``: each prompt token with its text and the logprob the model gave it (the
     first token has none, so ``logprobs`` holds one fewer)."""
     texts = tokenizer.batch_decode([[token] for token in input_ids], skip_special_tokens=False)
     return [
         TokenInfo(id=token, text=text, logprob=logprob, special=token in special_ids)
-        for token, text, logprob in zip(input_ids, texts, [None, *logprobs])
+        for token, text, logprob in zip(input_ids, texts, [None, *logprobs], strict=True)
     ]
 
 

@@ -2,10 +2,11 @@
 
 A stock ``DynamicLayer`` appends a decode step's keys and values with ``torch.cat``, which copies the whole
 cache of every layer at every step: with the ``cat`` calls of rotary embeddings, a tenth of the CPU time of a
-decode step of 8 rows of the bench's small model (bench/RESULTS.md). :class:`GrowingLayer` keeps each layer's keys and values in a buffer with room
-for :data:`SPARE_POSITIONS` more positions and writes new ones into it; its ``keys``/``values`` are views of the
-filled part, so everything that reads a ``DynamicLayer`` (the model's attention, :mod:`worker.batch`) reads it
-unchanged. A buffer is copied only when it is full, once every :data:`SPARE_POSITIONS` decode steps.
+decode step of 8 rows of the bench's small model (bench/RESULTS.md). :class:`GrowingLayer` keeps each layer's
+keys and values in a buffer with room for :data:`SPARE_POSITIONS` more positions and writes new ones into it;
+its ``keys``/``values`` are views of the filled part, so everything that reads a ``DynamicLayer`` (the model's
+attention, :mod:`worker.batch`) reads it unchanged. A buffer is copied only when it is full, once every
+:data:`SPARE_POSITIONS` decode steps.
 """
 
 from __future__ import annotations

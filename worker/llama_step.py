@@ -96,7 +96,8 @@ def applies(model: PreTrainedModel) -> bool:
         return False
     return all(
         getattr(layer.self_attn.q_proj, "group", None) is not None
-        and layer.self_attn.q_proj.group.members == [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
+        and layer.self_attn.q_proj.group.members
+        == [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
         and getattr(layer.mlp.gate_proj, "group", None) is not None
         and layer.mlp.gate_proj.group.members == [layer.mlp.gate_proj, layer.mlp.up_proj]
         for layer in inner.layers
@@ -225,7 +226,7 @@ class LlamaStep:
         # rotate_half(x) * sin == roll(x, half) * sin with the first half of sin negated
         sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, :, None, :]
         rotated = (heads + kv_heads) * dim  # the query and key columns of the q/k/v product
-        for layer, (keys, values) in zip(inner.layers, buffers):
+        for layer, (keys, values) in zip(inner.layers, buffers, strict=True):
             attention, mlp = layer.self_attn, layer.mlp
             qkv = attention.q_proj.group.stacked(layer.input_layernorm(hidden))
             query_key = qkv[..., :rotated].view(batch, new, heads + kv_heads, dim)

@@ -106,7 +106,9 @@ class Preparing:
 class WorkerLoop:
     """Moves jobs between Redis and the engine. All state of the worker lives here."""
 
-    def __init__(self, settings: Settings, redis: SyncRedis, engine: Engine, metrics: WorkerMetrics | None = None) -> None:
+    def __init__(
+        self, settings: Settings, redis: SyncRedis, engine: Engine, metrics: WorkerMetrics | None = None
+    ) -> None:
         self.settings = settings
         self.redis = redis
         self.engine = engine
@@ -169,7 +171,8 @@ class WorkerLoop:
         for _, (entry, _, _) in inflight:
             pipe.xpending_range(entry.stream, self.group, entry.message_id, entry.message_id, 1)
         owners = [pending[0]["consumer"].decode() if pending else None for pending in pipe.execute()]
-        gone = {request_id: owner for (request_id, _), owner in zip(inflight, owners) if owner != self.consumer}
+        gone = {request_id: owner for (request_id, _), owner in zip(inflight, owners, strict=True)
+                if owner != self.consumer}
         for request_id in gone:
             self.engine.cancel(request_id)
         lost = [self._inflight[request_id].job for request_id, owner in gone.items() if owner is None]
@@ -288,7 +291,8 @@ class WorkerLoop:
             pipe.xpending(stream, self.group)
         replies = pipe.execute()
         lengths, pending = replies[::2], replies[1::2]
-        return [stream for stream, length, held in zip(self.streams, lengths, pending) if length > held["pending"]]
+        return [stream for stream, length, held in zip(self.streams, lengths, pending, strict=True)
+                if length > held["pending"]]
 
     def heartbeat(self, now: float) -> None:
         if now < self._next_heartbeat:
@@ -425,7 +429,7 @@ class WorkerLoop:
         pipe = self.redis.pipeline(transaction=False)  # GETs, not MGET: a cluster keeps them on several slots
         for _, job, _ in jobs:
             pipe.get(keys.control_key(self.model, job.request_id))
-        for (entry, job, expires_at), raw_control in zip(jobs, pipe.execute()):
+        for (entry, job, expires_at), raw_control in zip(jobs, pipe.execute(), strict=True):
             control = Control.model_validate_json(raw_control) if raw_control else None
             if control is not None and control.action == "cancel":
                 self._ack_ids([entry])
@@ -540,7 +544,8 @@ class WorkerLoop:
         their order) and before waiting idle."""
         outputs, self._sent = self._sent, []
         replies = self._outbox.replies()
-        orphans = [out.job.request_id for out, receivers in zip(outputs, replies)
+        # the replies of the acknowledgements sent after the events follow theirs
+        orphans = [out.job.request_id for out, receivers in zip(outputs, replies, strict=False)
                    if receivers == 0 and not out.finished and out.job.request_id in self._inflight]
         if orphans:
             log.warning("dropping %d requests whose API pod is gone", len(orphans))
@@ -601,7 +606,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = command_parser("ferry-worker", __doc__.splitlines()[0])
     parser.add_argument("--redis-url", help="overrides REDIS_URL")
     parser.add_argument("--model-path", help="model folder or Hugging Face model id; overrides MODEL_PATH")
-    parser.add_argument("--model-name", help="the model to serve, one of the config's ModelConfig; overrides MODEL_NAME")
+    parser.add_argument("--model-name",
+                        help="the model to serve, one of the config's ModelConfig; overrides MODEL_NAME")
     parser.add_argument("--device", help="cpu, cuda[:n] or npu[:n]; overrides DEVICE")
     parser.add_argument("--engine", choices=get_args(EngineName), help="overrides ENGINE (default transformers)")
     args = parser.parse_args(argv)

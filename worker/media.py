@@ -66,7 +66,7 @@ class MediaProcessor:
         the queue loop runs it beside its steps (:meth:`worker.engine.Engine.prepare`)."""
         ids: list[int] = []
         tensors: list[dict[str, torch.Tensor]] = []
-        items = iter(zip(job.media, media))
+        items = iter(zip(job.media, media, strict=True))
         placeholder_ids = {token_id: kind for kind, (token_id, _) in self.placeholders.items()}
         for token in job.input_ids:
             if token not in placeholder_ids:

@@ -173,7 +173,8 @@ class TransformersEngine(Engine):
         sequences = [*self._running, *self._waiting]
         if sum(seq.reserved_tokens for seq in sequences) >= settings.max_batch_total_tokens:
             return 0
-        return max(0, min(settings.max_batch_size - len(sequences), settings.max_prefill_batch_size - len(self._waiting)))
+        room = settings.max_batch_size - len(sequences)
+        return max(0, min(room, settings.max_prefill_batch_size - len(self._waiting)))
 
     def prepare(self, job: Job, media: Sequence[bytes]) -> PreparedJob:
         """The prompt expanded by the model's processor (:mod:`worker.media`), which is what the job's limits then
@@ -396,7 +397,7 @@ class TransformersEngine(Engine):
             raise
         for seq in sequences:
             seq.extra_inputs = {}  # the features are in the cache now
-        for seq, scores in zip(sequences, prompt_logprobs):
+        for seq, scores in zip(sequences, prompt_logprobs, strict=True):
             if scores is not None:
                 seq.prefill = prompt_details(self.tokenizer, seq.job.input_ids, scores, self._special_ids)
         sequences, batch = self._advance(sequences, batch, ids, logprobs, outputs)
@@ -412,7 +413,7 @@ class TransformersEngine(Engine):
     ) -> tuple[list[RequestState], DecodeBatch | None]:
         """Turn each row's new token into an event; return the rows that keep running."""
         keep: list[int] = []
-        for row, (seq, token, logprob) in enumerate(zip(sequences, ids.tolist(), logprobs.tolist())):
+        for row, (seq, token, logprob) in enumerate(zip(sequences, ids.tolist(), logprobs.tolist(), strict=True)):
             try:
                 event: TokenEvent | ErrorEvent = self._token_event(seq, token, logprob)
             except Exception as exc:  # this request's text handling failed; the others go on
