@@ -157,9 +157,9 @@ def start_stack(ferry_root: Path, redis_url: str, model: Path, log_dir: Path,
     log_dir.mkdir(parents=True, exist_ok=True)
     processes: dict[str, subprocess.Popen[bytes]] = {}
     for name, module in (("worker", "worker.main"), ("api", "api.main")):
-        log = open(log_dir / f"{name}.log", "wb")
-        processes[name] = child_process([sys.executable, "-m", module], env=env, cwd=ferry_root,
-                                        stdout=log, stderr=subprocess.STDOUT)
+        with open(log_dir / f"{name}.log", "wb") as log:  # the child has its own copy of the descriptor
+            processes[name] = child_process([sys.executable, "-m", module], env=env, cwd=ferry_root,
+                                            stdout=log, stderr=subprocess.STDOUT)
     stack = Stack(f"http://127.0.0.1:{port}", model_name, redis_url, processes, log_dir)
     try:
         wait_healthy(stack, START_SECONDS)

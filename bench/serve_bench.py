@@ -132,8 +132,8 @@ def deploy(
 
     def start(name: str, command: list[str], extra: dict[str, str], cpus: str | None) -> subprocess.Popen[bytes]:
         pin = ["taskset", "-c", cpus] if cpus is not None and shutil.which("taskset") else []
-        log = open(log_dir / f"{name}.log", "wb")
-        proc = subprocess.Popen([*pin, *command], env={**env, **extra}, cwd=ROOT, stdout=log, stderr=log)
+        with open(log_dir / f"{name}.log", "wb") as log:  # the child has its own copy of the descriptor
+            proc = subprocess.Popen([*pin, *command], env={**env, **extra}, cwd=ROOT, stdout=log, stderr=log)
         processes.append(proc)
         return proc
 

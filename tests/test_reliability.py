@@ -13,6 +13,7 @@ Three layers, cheapest first:
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import shutil
@@ -573,8 +574,8 @@ class Cluster:
         return self.stack.model_name
 
     def _spawn(self, module: str, name: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
-        log = open(self.log_dir / f"{name}.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", module], env=env, stdout=log, stderr=log)
+        with open(self.log_dir / f"{name}.log", "ab") as log:  # the child has its own copy of the descriptor
+            proc = subprocess.Popen([sys.executable, "-m", module], env=env, stdout=log, stderr=log)
         self.stack.processes.insert(0 if module == "worker.main" else len(self.stack.processes), proc)
         return proc
 
@@ -1133,7 +1134,7 @@ def test_redis_restart_fails_in_flight_requests_then_service_resumes(cluster: Cl
             return False
 
     for url in (cluster.main_url, cluster.pod("strict")):  # every pod's relay, and the worker, reconnect
-        wait_for(lambda: served(url), 30, f"{url} to serve again", 0.5)
+        wait_for(functools.partial(served, url), 30, f"{url} to serve again", 0.5)
     print(f"\nserved again {time.monotonic() - restarted:.1f} s after Redis restarted")
     reference = uninterrupted(cluster, 16)
     events = SSE(f"{cluster.main_url}/generate_stream", body(16), "redis-2").rest()

@@ -337,7 +337,7 @@ class Engine(ABC):
         """Whether the model's passes run compiled now (an engine may serve eagerly while it compiles)."""
         return False
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a hook: an engine holding nothing outside this process keeps it
         """Release what the engine holds outside this process (engine processes, devices)."""
 
 

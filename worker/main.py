@@ -22,6 +22,7 @@ docs/reliability.md:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -595,11 +596,9 @@ class WorkerLoop:
             self.engine.cancel(job.request_id)
         self._inflight.clear()
         if self.settings.redis_cluster and jobs:
-            try:
+            with contextlib.suppress(*REDIS_ERRORS):
                 self.fail(jobs, f"the worker lost the Redis shard of its job queue ({cause}); the request may be "
                                 "retried", "unavailable")
-            except REDIS_ERRORS:
-                pass
 
 
 def main(argv: list[str] | None = None) -> None:
