@@ -669,6 +669,18 @@ def findings(report: dict[str, Any]) -> list[str]:
             first = tally.get("samples", {}).get(f"{kind} {next(iter(other))}", "")
             lines.append(f"- {kind}: expected {EXPECTED.get(kind, '?')}, also got {_counts(other)}"
                          + (f"; first answer: `{first[:200]}`" if first else ""))
+    lines += _case_findings(tally)
+    for crash in tally["crashes"]:
+        lines.append(f"- the hostile process failed: {crash}")
+    lines += _round_findings(report)
+    if len(lines) == 1:
+        lines.append("- every hostile request was answered as expected")
+    return lines
+
+
+def _case_findings(tally: dict[str, Any]) -> list[str]:
+    """The poisoners' and bombs' cases answered otherwise than expected, one line each."""
+    lines = []
     for kind, cases in tally["by_case"].items():
         for case, counts in sorted(cases.items()):
             other = {s: n for s, n in counts.items() if not server_error(s) and _unexpected(kind, s)}
@@ -679,8 +691,12 @@ def findings(report: dict[str, Any]) -> list[str]:
             else:
                 lines.append(f"- {kind} `{case}`: expected {EXPECTED[kind]}, got {_counts(other)}"
                              + (" (accepted: the server ran it)" if "200" in other else ""))
-    for crash in tally["crashes"]:
-        lines.append(f"- the hostile process failed: {crash}")
+    return lines
+
+
+def _round_findings(report: dict[str, Any]) -> list[str]:
+    """Per round and side: Ferry processes that exited, victim failures."""
+    lines = []
     for number, sides in enumerate(report["rounds"], 1):
         for side, result in sides.items():
             if result.get("exited"):
@@ -689,8 +705,6 @@ def findings(report: dict[str, Any]) -> list[str]:
             if victims.get("failures"):
                 lines.append(f"- round {number} {side}: {victims['failures']} victim failures "
                              f"({_counts(victims['failure_kinds'])}); first: {victims['failure_samples'][0][:200]}")
-    if len(lines) == 1:
-        lines.append("- every hostile request was answered as expected")
     return lines
 
 

@@ -22,6 +22,7 @@ which the error names all at once.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import logging
@@ -210,6 +211,39 @@ def _model_entries(value: Any, dotted: str, refused: list[str], model_wide: list
     return entries
 
 
+@dataclasses.dataclass
+class _SectionWalk:
+    """The walk of :func:`flatten_config` over the sections of a config file: the settings found (``flat``),
+    the keys at fault (``errors``), the MindIE keys Ferry does not implement (``refused``) and the per-model
+    MindIE keys that are one Ferry setting (``model_wide``)."""
+
+    keys: dict[str, tuple[str | None, str, str]]
+    flat: dict[str, Any] = dataclasses.field(default_factory=dict)
+    errors: list[str] = dataclasses.field(default_factory=list)
+    refused: list[str] = dataclasses.field(default_factory=list)
+    model_wide: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
+
+    def walk(self, node: dict[str, Any], path: tuple[str, ...]) -> None:
+        sections = {p[len(path)]: p for p in SECTION_PATHS.values() if len(p) > len(path) and p[: len(path)] == path}
+        here = next((s for s, p in SECTION_PATHS.items() if p == path), None)
+        fields = [key for key, (section, _, _) in self.keys.items() if here is not None and section == here]
+        for key, value in node.items():
+            dotted = ".".join((*path, key))
+            if key in sections:
+                if isinstance(value, dict):
+                    self.walk(value, (*path, key))
+                else:
+                    self.errors.append(f"`{dotted}` must be a JSON object")
+            elif key == "ModelConfig" and key in fields:
+                self.flat[key] = _model_entries(value, dotted, self.refused, self.model_wide)
+            elif key in fields:
+                self.flat[key] = value
+            elif key in mindie_config.REFUSED.get(here or "", ()):
+                self.refused.append(mindie_config.refused_key(dotted, key))
+            elif key not in mindie_config.IGNORED.get(here or "", ()):
+                self.errors.append(_unknown(dotted, key, [*fields, *sections]))
+
+
 def flatten_config(data: Any) -> dict[str, Any]:
     """The config file's settings as one flat object of camelCase keys. Raises :class:`ConfigError` naming
     every key at fault at once: unknown or in the wrong section (with a did-you-mean hint), a section that is
@@ -224,32 +258,9 @@ def flatten_config(data: Any) -> dict[str, Any]:
             if key not in keys:
                 raise ConfigError(_unknown(key, key, list(keys)))
         return dict(data)
-    flat: dict[str, Any] = {}
-    errors: list[str] = []
-    refused: list[str] = []
-    model_wide: list[tuple[str, Any]] = []
-
-    def walk(node: dict[str, Any], path: tuple[str, ...]) -> None:
-        sections = {p[len(path)]: p for p in SECTION_PATHS.values() if len(p) > len(path) and p[: len(path)] == path}
-        here = next((s for s, p in SECTION_PATHS.items() if p == path), None)
-        fields = [key for key, (section, _, _) in keys.items() if here is not None and section == here]
-        for key, value in node.items():
-            dotted = ".".join((*path, key))
-            if key in sections:
-                if isinstance(value, dict):
-                    walk(value, (*path, key))
-                else:
-                    errors.append(f"`{dotted}` must be a JSON object")
-            elif key == "ModelConfig" and key in fields:
-                flat[key] = _model_entries(value, dotted, refused, model_wide)
-            elif key in fields:
-                flat[key] = value
-            elif key in mindie_config.REFUSED.get(here or "", ()):
-                refused.append(mindie_config.refused_key(dotted, key))
-            elif key not in mindie_config.IGNORED.get(here or "", ()):
-                errors.append(_unknown(dotted, key, [*fields, *sections]))
-
-    walk(data, ())
+    found = _SectionWalk(keys)
+    found.walk(data, ())
+    flat, errors, refused, model_wide = found.flat, found.errors, found.refused, found.model_wide
     if model_wide:  # MindIE sets trustRemoteCode per model; Ferry's is one setting (BackendConfig)
         given = [value for _, value in model_wide] + ([flat["trustRemoteCode"]] if "trustRemoteCode" in flat else [])
         if any(value != given[0] for value in given):
@@ -618,10 +629,24 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
+        """The defaults that follow from other settings, then the checks across settings, in this order."""
         if self.max_input_token_len >= self.max_seq_len:
             self.max_input_token_len = self.max_seq_len - 1
         if self.max_prefill_batch_size == 0:
             self.max_prefill_batch_size = self.max_batch_size
+        self._pick_model()
+        for key in VLLM_PARALLEL_ARGS:
+            size = self.vllm_engine_args.get(key, 1)
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"vllmEngineArgs.{key} must be a positive integer. Given: {size!r}")
+        if "{" in self.served_model_name or "}" in self.served_model_name:  # braces are Redis hash tags (common.keys)
+            raise ValueError(f"the model name `{self.served_model_name}` must not contain braces")
+        self._check_listeners()
+        self._check_redis_tls()
+        return self
+
+    def _pick_model(self) -> None:
+        """With ModelConfig and no modelWeightPath: the model named by modelName (the first by default)."""
         names = [entry.name for entry in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"ModelConfig: modelName values must be unique. Given: {names}")
@@ -630,12 +655,9 @@ class Settings(BaseSettings):
             if name not in names:
                 raise ValueError(f"modelName `{name}` (MODEL_NAME / --model-name) is not in ModelConfig: {names}")
             self.model_name, self.model_path = name, self.models[names.index(name)].path
-        for key in VLLM_PARALLEL_ARGS:
-            size = self.vllm_engine_args.get(key, 1)
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ValueError(f"vllmEngineArgs.{key} must be a positive integer. Given: {size!r}")
-        if "{" in self.served_model_name or "}" in self.served_model_name:  # braces are Redis hash tags (common.keys)
-            raise ValueError(f"the model name `{self.served_model_name}` must not contain braces")
+
+    def _check_listeners(self) -> None:
+        """HTTPS and its files, the management address and the all-zero addresses."""
         if self.https_enabled:
             for key, path in (("tlsCert", self.tls_cert), ("tlsPk", self.tls_pk)):
                 if path is None:
@@ -652,6 +674,9 @@ class Settings(BaseSettings):
             for key, host in (("ipAddress", self.host), ("managementIpAddress", self.management_host)):
                 if host in ("0.0.0.0", "::"):
                     raise ValueError(f"{key} {host} listens on every interface: allowAllZeroIpListening is false")
+
+    def _check_redis_tls(self) -> None:
+        """Redis TLS files: a rediss:// URL, a certificate with its key, files that exist."""
         redis_tls = {"redisTlsCaCerts": self.redis_tls_ca_certs, "redisTlsCert": self.redis_tls_cert,
                      "redisTlsKey": self.redis_tls_key}
         given = [key for key, path in redis_tls.items() if path is not None]
@@ -662,7 +687,6 @@ class Settings(BaseSettings):
         for key in given:
             if not redis_tls[key].is_file():
                 raise ValueError(f"{key}: no such file {redis_tls[key]}")
-        return self
 
     @property
     def listeners(self) -> dict[tuple[str, int], frozenset[str]]:
