@@ -24,7 +24,7 @@ eagerly it is oneDNN's inner product; under ``torch.compile`` it stays one opaqu
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import PreTrainedModel
@@ -126,7 +126,7 @@ class SiblingGroup:
         """(Re)build the stacked packed weight (and bias) from the members' dense ones."""
         self.packed_weight = _pack(torch.cat([member.weight.detach() for member in self.members]))
         biases = [member.bias for member in self.members]
-        self.bias = None if biases[0] is None else torch.cat([bias.detach() for bias in biases])  # type: ignore[union-attr]
+        self.bias = None if biases[0] is None else torch.cat([bias.detach() for bias in biases])
 
     def stacked(self, input: torch.Tensor) -> torch.Tensor:
         """Every member's output for ``input``, side by side in the last dimension in member order (one product;
@@ -168,7 +168,7 @@ def use_packed_linear(model: PreTrainedModel) -> int:
     for module in model.modules():
         if type(module) is torch.nn.Linear and module.weight.dtype in dtypes:
             module.__class__ = PackedLinear
-            module.pack()
+            cast(PackedLinear, module).pack()  # what it is now, which mypy cannot follow
             count += 1
     for module in model.modules():
         for names in SIBLINGS:

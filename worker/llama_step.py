@@ -37,6 +37,7 @@ import os
 import sys
 import threading
 import time
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -77,6 +78,13 @@ inherit it."""
 COMPILE_CANCEL_SECONDS = 30.0
 """How long :meth:`LlamaStep.cancel_compile` waits for the compile thread to end (it ends at its next Python
 line, which a kernel build being waited for can hold back)."""
+
+
+def _distinct_sizes() -> AbstractContextManager[None]:
+    """Symbolic shapes without duck sizing: sizes that happen to be equal stay distinct symbols."""
+    # patch is what torch's install_config_module adds at run time; this config module, unlike
+    # torch._dynamo.config, does not import its declaration (torch.utils._config_typing) for type checkers
+    return shape_config.patch(use_duck_shape=False)  # type: ignore[attr-defined]
 
 
 class CompileCancelled(BaseException):
@@ -164,7 +172,7 @@ class LlamaStep:
         started = time.monotonic()
         device = self.model.device
         try:
-            with torch.inference_mode(), shape_config.patch(use_duck_shape=False):  # tensors as the engine's
+            with torch.inference_mode(), _distinct_sizes():  # tensors as the engine's
                 for rows, new, length in COMPILED_SHAPES:
                     cache = GrowingCache()
                     if length:
@@ -199,7 +207,7 @@ class LlamaStep:
         rows, new = input_ids.shape
         buffers, length = self._reserve(cache, rows, new)
         if self.compiled is not None and self.compiles(rows, new, length):
-            with shape_config.patch(use_duck_shape=False):  # sizes that happen to be equal stay distinct symbols
+            with _distinct_sizes():
                 logits = self.compiled(input_ids, mask, positions, length, buffers)
         else:
             logits = self._layers(input_ids, mask, positions, length, buffers)

@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, NamedTuple, get_args
+from typing import TYPE_CHECKING, Any, NamedTuple, get_args
 
 from pydantic import ValidationError
 from redis.client import PubSub
@@ -51,6 +51,9 @@ from common.settings import EngineName, Settings, settings_or_exit
 from worker.cpu_threads import place_worker_threads
 from worker.engine import Engine, EngineLoadError, PreparedJob, RequestRefused, StepOutput, load_engine
 from worker.metrics import WorkerMetrics
+
+if TYPE_CHECKING:  # redis-py's reply types, in its newer releases only
+    from redis.typing import StreamIdT, XReadGroupResponse
 
 log = logging.getLogger("ferry.worker")
 
@@ -79,9 +82,9 @@ class Entry(NamedTuple):
     message_id: bytes
 
 
-def by_stream(entries: Iterable[Entry]) -> dict[str, list[bytes]]:
+def by_stream(entries: Iterable[Entry]) -> dict[str, list[StreamIdT]]:
     """The entries' ids per stream, for the commands that take the ids of one stream."""
-    grouped: dict[str, list[bytes]] = {}
+    grouped: dict[str, list[StreamIdT]] = {}
     for stream, message_id in entries:
         grouped.setdefault(stream, []).append(message_id)
     return grouped
@@ -275,8 +278,10 @@ class WorkerLoop:
             if self._accept_read(entries):
                 self.take_jobs()  # the first job of a burst woke the worker: take the rest of it
 
-    def _accept_read(self, entries: list[Any]) -> bool:
-        """Accept what XREADGROUP answered; whether it held any job."""
+    def _accept_read(self, entries: XReadGroupResponse | None) -> bool:
+        """Accept what XREADGROUP answered (in RESP2, the protocol of Ferry's clients: [stream, messages] per
+        stream; None when a blocking read found nothing); whether it held any job."""
+        assert not isinstance(entries, dict), "a RESP3 reply"
         read = [(Entry(stream.decode(), message_id), fields) for stream, messages in entries or []
                 for message_id, fields in messages]
         self.accept(read)
@@ -372,7 +377,7 @@ class WorkerLoop:
             retried: list[tuple[Entry, dict[bytes, bytes]]] = []
             for message_id, fields in claimed:
                 pending = self.redis.xpending_range(stream, self.group, message_id, message_id, 1)
-                deliveries = pending[0]["times_delivered"] if pending else 1
+                deliveries = int(pending[0]["times_delivered"]) if pending else 1
                 log.warning("claimed abandoned job %s (delivery %d)", message_id, deliveries)
                 entry = Entry(stream, message_id)
                 if deliveries > self.settings.max_deliveries:
@@ -443,8 +448,9 @@ class WorkerLoop:
         never holds up the steps of the others. Meanwhile it is in ``_inflight``, so controls, deadlines and
         heartbeats apply to it as to a running one."""
         if job.media:
-            media = self.redis.mget([ref.key for ref in job.media])
-            if any(data is None for data in media):
+            stored = self.redis.mget([ref.key for ref in job.media])
+            media = [data for data in stored if isinstance(data, bytes)]  # None: the key expired or was deleted
+            if len(media) != len(stored):
                 self.fail([job], "the request's media are no longer in Redis (its API pod ended it)", "generation")
                 self._ack_ids([entry])
                 return False

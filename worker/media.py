@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoProcessor, PretrainedConfig
+from transformers import AutoProcessor, PretrainedConfig, ProcessorMixin
 
 from common.images import ImageRefused, open_image
 from common.model_files import declared_media
@@ -45,7 +45,9 @@ def concatenate(parts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.
 class MediaProcessor:
     """Expands a model's image placeholders with its processor (the only kind the workers decode here)."""
 
-    def __init__(self, processor: object, placeholders: Mapping[MediaKind, tuple[int, str]], max_pixels: int) -> None:
+    def __init__(
+        self, processor: ProcessorMixin, placeholders: Mapping[MediaKind, tuple[int, str]], max_pixels: int
+    ) -> None:
         self.processor = processor
         self.placeholders = dict(placeholders)  # kind -> (token id, token text)
         self.max_pixels = max_pixels  # maxImagePixels: larger images are refused before they are decoded

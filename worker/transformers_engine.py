@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from peft import PeftModel
 from peft.functional import delete_adapter
+from peft.tuners.tuners_utils import BaseTuner
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -142,7 +143,9 @@ class TransformersEngine(Engine):
         except (OSError, ValueError, ImportError) as exc:
             raise EngineLoadError.for_model(path, exc) from None
         try:
-            model.to(torch.device(device)).eval()
+            # transformers declares PreTrainedModel.to as functools.wraps(torch.nn.Module.to), whose stub (_Wrapped)
+            # mypy does not bind to the instance: it takes the device for `self`
+            model.to(torch.device(device)).eval()  # type: ignore[arg-type]
         except RuntimeError as exc:  # out of device memory, most likely
             raise EngineLoadError.for_model(path, exc, f"cannot move the model to {device}") from None
         use_padded_attention(model)
@@ -195,7 +198,8 @@ class TransformersEngine(Engine):
         (:class:`worker.engine.AdapterSet`)."""
         inputs: dict[str, torch.Tensor] = {}
         if isinstance(job, PreparedJob):
-            job, inputs = job.job, dict(job.inputs)
+            inputs = dict(job.inputs)
+            job = job.job
         elif job.media:
             raise ValueError(f"request {job.request_id} holds media: prepare it first")
         elif (reason := self.refusal(job)) is not None:
@@ -271,7 +275,9 @@ class TransformersEngine(Engine):
             vars(self.model).pop("peft_config", None)  # what PeftModel sets on the model it wraps
         else:
             self._peft.peft_config.pop(name, None)
-            delete_adapter(self.model, name, prefix=self._peft.base_model.prefix)
+            tuner = self._peft.base_model
+            assert isinstance(tuner, BaseTuner)  # a LoRA model (peft's declared type is any torch Module)
+            delete_adapter(self.model, name, prefix=tuner.prefix)
 
     def _free_adapter(self, name: str) -> None:
         """Delete an adapter no added request uses; unwrap the model when it was the last one."""
@@ -389,7 +395,7 @@ class TransformersEngine(Engine):
                 self._pad_id,
                 [job.decoder_input_details for job in jobs],
                 self._forward,
-                [job.adapter and job.adapter.name for job in jobs],
+                [job.adapter.name if job.adapter else None for job in jobs],
                 concatenate([seq.extra_inputs for seq in sequences]),
             )
         except Exception:
@@ -400,8 +406,8 @@ class TransformersEngine(Engine):
         for seq, scores in zip(sequences, prompt_logprobs, strict=True):
             if scores is not None:
                 seq.prefill = prompt_details(self.tokenizer, seq.job.input_ids, scores, self._special_ids)
-        sequences, batch = self._advance(sequences, batch, ids, logprobs, outputs)
-        return None if batch is None else (sequences, batch)
+        sequences, running = self._advance(sequences, batch, ids, logprobs, outputs)
+        return None if running is None else (sequences, running)
 
     def _advance(
         self,
