@@ -84,7 +84,7 @@ async def read_model_state(redis: AsyncRedis, model: str, now: float) -> ModelSt
     return ModelState(model=model, queue_depth=sum(depths), workers=workers)
 
 
-def _status(raw: bytes | None) -> WorkerStatus | None:
+def _status(raw: bytes | str | None) -> WorkerStatus | None:
     if raw is None:
         return None
     try:

@@ -116,7 +116,9 @@ class GenerationBlock(jinja2.ext.Extension):
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.CallBlock:
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+        block = jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body)
+        block.set_lineno(lineno)
+        return block
 
     def _render(self, caller: Callable[[], str]) -> str:
         return caller()
@@ -163,9 +165,9 @@ def _setting_keys() -> dict[str, tuple[str | None, str, str]]:
     for name, field in Settings.model_fields.items():
         extra = field.json_schema_extra
         assert isinstance(field.validation_alias, AliasChoices) and isinstance(extra, dict)
-        key = field.validation_alias.choices[0]
-        assert isinstance(key, str)
-        result[key] = (extra["section"], str(extra["env"]), name)
+        key, section = field.validation_alias.choices[0], extra["section"]
+        assert isinstance(key, str) and (section is None or isinstance(section, str))
+        result[key] = (section, str(extra["env"]), name)
     return result
 
 
@@ -679,14 +681,14 @@ class Settings(BaseSettings):
         """Redis TLS files: a rediss:// URL, a certificate with its key, files that exist."""
         redis_tls = {"redisTlsCaCerts": self.redis_tls_ca_certs, "redisTlsCert": self.redis_tls_cert,
                      "redisTlsKey": self.redis_tls_key}
-        given = [key for key, path in redis_tls.items() if path is not None]
+        given = {key: path for key, path in redis_tls.items() if path is not None}
         if given and not self.redis_url.startswith("rediss://"):
             raise ValueError(f"{', '.join(given)} need a rediss:// redisUrl (Redis over TLS)")
         if (self.redis_tls_cert is None) != (self.redis_tls_key is None):
             raise ValueError("redisTlsCert and redisTlsKey go together")
-        for key in given:
-            if not redis_tls[key].is_file():
-                raise ValueError(f"{key}: no such file {redis_tls[key]}")
+        for key, path in given.items():
+            if not path.is_file():
+                raise ValueError(f"{key}: no such file {path}")
 
     @property
     def listeners(self) -> dict[tuple[str, int], frozenset[str]]:

@@ -115,7 +115,7 @@ def embedded_redis(kind: str = "auto", port: int | None = None) -> Iterator[str]
                          f"{exc.strerror}") from None
     thread = threading.Thread(target=server.serve_forever, name="fakeredis", daemon=True)
     thread.start()
-    host, port = server.server_address[:2]
+    host, port = "127.0.0.1", server.server_address[1]  # the port the system chose when given 0
     try:
         log.info("embedded fakeredis on redis://%s:%s/0", host, port)
         yield f"redis://{host}:{port}/0"
