@@ -217,6 +217,7 @@ async def _media(ctx: ServerContext, protocol: Protocol, request: InferenceReque
                 f"{kind} items: the text may not spell the placeholder, nor `truncate` cut an item",
                 request.prompt_field,
             )
+    assert ctx.media is not None  # ServerContext.__post_init__ makes one
     try:
         return await ctx.media.load_all(sources)
     except MediaRefused as exc:

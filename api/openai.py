@@ -30,7 +30,7 @@ from pydantic import BaseModel
 
 from api import adapters
 from api.context import ModelInfo, ServerContext, get_ctx
-from api.errors import ProtocolError, error_route_class
+from api.errors import OpenApiResponses, ProtocolError, error_route_class
 from api.inference import REST_STATUSES, InferenceRequest, Protocol, generate, new_request_id, resolve, submit
 from api.openai_schemas import (
     ChatChoice,
@@ -82,14 +82,14 @@ def render_openai_error(exc: ProtocolError) -> Response:
 
 router = APIRouter(prefix="/v1", route_class=error_route_class(render_openai_error, 400), tags=["OpenAI"])
 
-ERROR_RESPONSES = {
+ERROR_RESPONSES: OpenApiResponses = {
     400: {"model": OpenAIErrorResponse, "description": "Invalid request"},
     404: {"model": OpenAIErrorResponse, "description": "Unknown model"},
     500: {"model": OpenAIErrorResponse, "description": "Generation failed or timed out"},
     503: {"model": OpenAIErrorResponse, "description": "Overloaded (queue full) or Redis unreachable"},
 }
-STREAM_RESPONSE = {"content": {"text/event-stream": {}},
-                   "description": "when stream is true: chunks, then `data: [DONE]`"}
+STREAM_RESPONSE: dict[str, Any] = {"content": {"text/event-stream": {}},
+                                   "description": "when stream is true: chunks, then `data: [DONE]`"}
 
 Ctx = Annotated[ServerContext, Depends(get_ctx)]
 
@@ -338,8 +338,10 @@ async def retrieve_model(model: str, ctx: Ctx) -> ModelCard:
 # -- LoRA adapters at run time (vLLM's routes; MindIE serves the same) ---------------------------------------
 
 
-ADAPTER_RESPONSES = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "done"},
-                     400: ERROR_RESPONSES[400], 404: ERROR_RESPONSES[404]}
+ADAPTER_RESPONSES: OpenApiResponses = {
+    200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "done"},
+    400: ERROR_RESPONSES[400], 404: ERROR_RESPONSES[404],
+}
 
 
 def _master(ctx: ServerContext, model: str | None) -> ServerContext:

@@ -183,6 +183,7 @@ class EventRelay:
         else:
             await cluster.initialize()
         node = cluster.get_node_from_key(self.channel("relay"))
+        assert node is not None  # None only for replica=True; a slot no node covers raises
         return Redis.from_pool(ConnectionPool(connection_class=node.connection_class, **node.connection_kwargs))
 
     async def _dispatch(self, pubsub: PubSub) -> None:
