@@ -107,7 +107,7 @@ def _uuid_route_class(base: type[APIRoute]) -> type[APIRoute]:
     replace by the pipeline's) and answer it in the ``RequestUUID`` header, errors included: the error
     answers are made inside ``base``'s handler, so they pass here too. Only this router's routes carry it."""
 
-    class MindIERoute(base):  # type: ignore[misc, valid-type]
+    class MindIERoute(base):  # type: ignore[misc, valid-type]  # mypy takes no base class from a variable
         def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
             handler = super().get_route_handler()
 

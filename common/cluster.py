@@ -30,6 +30,7 @@ class ModelState(BaseModel):
     queue_depth: int = Field(description="jobs queued or running (the XLEN of its job streams, summed)")
     workers: list[WorkerView]
 
+    # computed_field over property: mypy refuses any decorator on a property; pydantic documents this ignore
     @computed_field  # type: ignore[prop-decorator]
     @property
     def pools(self) -> dict[str, int]:

@@ -24,7 +24,7 @@ eagerly it is oneDNN's inner product; under ``torch.compile`` it stays one opaqu
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any, TypeGuard, cast
 
 import torch
 from transformers import PreTrainedModel
@@ -174,11 +174,11 @@ def use_packed_linear(model: PreTrainedModel) -> int:
         for names in SIBLINGS:
             members = [getattr(module, name, None) for name in names]
             if _groupable(members):
-                SiblingGroup(members)  # type: ignore[arg-type]
+                SiblingGroup(members)
     return count
 
 
-def _groupable(members: list[Any]) -> bool:
+def _groupable(members: list[Any]) -> TypeGuard[list[PackedLinear]]:
     """Packed layers, in no group yet, of one input size, dtype and bias kind."""
     first = members[0]
     return all(
