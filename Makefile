@@ -14,7 +14,7 @@ BIN := $(VENV)/bin
 # The workers' engine for `make serve` (ferry-server --engine); empty: the ENGINE setting's default, transformers
 ENGINE ?=
 
-.PHONY: serve test bench bench-engines
+.PHONY: serve lint test bench bench-engines
 
 $(BIN)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -40,7 +40,13 @@ $(BIN)/.test: pyproject.toml $(BIN)/.serve
 serve: $(BIN)/.serve $(if $(filter vllm,$(ENGINE)),$(BIN)/.vllm)
 	$(BIN)/ferry-server $(if $(ENGINE),--engine $(ENGINE)) $(ARGS)
 
-test: $(BIN)/.test
+# ruff and mypy as configured in pyproject.toml: zero findings. `make test` runs them first, so a finding fails it
+# before the tests start; ARGS go to pytest only.
+lint: $(BIN)/.test
+	$(BIN)/ruff check
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest $(ARGS)
 
 # The serving benchmark (bench/serve_bench.py; bench/RESULTS.md): writes bench/out/. ARGS="--help" lists its options.

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from api.context import ServerContext
 from common import keys
-from common.connection import publish
+from common.connection import as_text, publish
 from common.protocol import Control
 from common.settings import Settings
 
@@ -29,13 +29,14 @@ async def register_configured(ctx: ServerContext) -> None:
     """Put every model's configured adapters (``loraModules``) in its registry; each pod does so at start-up."""
     for entry in ctx.settings.served_models:
         if entry.lora_modules:
-            await ctx.redis.hset(keys.adapters_key(entry.name), mapping=entry.lora_modules)
+            # a copy, typed as redis-py wants: its mapping type is invariant in the key
+            await ctx.redis.hset(keys.adapters_key(entry.name), mapping=dict(entry.lora_modules.items()))
 
 
 async def registered(ctx: ServerContext) -> dict[str, str]:
     """The adapters of the model of ``ctx``: name -> folder."""
     found = await ctx.redis.hgetall(keys.adapters_key(ctx.model.model_id))
-    return {name.decode(): path.decode() for name, path in found.items()}
+    return {as_text(name): as_text(path) for name, path in found.items()}
 
 
 async def model_of(ctx: ServerContext, adapter: str) -> ServerContext | None:
@@ -44,7 +45,7 @@ async def model_of(ctx: ServerContext, adapter: str) -> ServerContext | None:
     for model in ctx.models:
         pipe.hexists(keys.adapters_key(model), adapter)
     found = await pipe.execute()
-    return next((ctx.for_model(model) for model, has in zip(ctx.models, found) if has), None)
+    return next((ctx.for_model(model) for model, has in zip(ctx.models, found, strict=True) if has), None)
 
 
 async def was_unloaded(ctx: ServerContext, name: str) -> bool:

@@ -135,8 +135,9 @@ class PlaneMiddleware:
         await self.app(scope, receive, send)
 
     def _serves(self, scope: Scope) -> bool:
-        server = scope.get("server")
-        planes = self.planes.get(server[1] if server else None, frozenset({"business"}))
+        server = scope.get("server")  # (host, port); None on a Unix socket
+        business = frozenset({"business"})
+        planes = self.planes.get(server[1], business) if server else business
         path = scope["path"]
         if "management" in planes and MANAGEMENT_PATHS.match(path):
             return True

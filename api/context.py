@@ -48,7 +48,7 @@ class ModelInfo:
 
 
     @classmethod
-    def load(cls, settings: Settings, entry: ModelEntry | None = None) -> "ModelInfo":
+    def load(cls, settings: Settings, entry: ModelEntry | None = None) -> ModelInfo:
         """The model of ``entry``, by default the one the settings name (MODEL_NAME / MODEL_PATH)."""
         entry = entry or ModelEntry(name=settings.served_model_name, path=settings.resolved_model_path)
         config_file = model_file(entry.path, "config.json")
@@ -137,7 +137,7 @@ class ServerContext:
         if self.media is None:
             self.media = MediaLoader(self.settings)
 
-    def for_model(self, model_id: str) -> "ServerContext | None":
+    def for_model(self, model_id: str) -> ServerContext | None:
         """This context for another served model (sharing Redis, relay and metrics), None if not served."""
         model = self.models.get(model_id)
         return None if model is None else dataclasses.replace(self, model=model)

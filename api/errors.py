@@ -26,6 +26,9 @@ from common.connection import REDIS_ERRORS
 
 log = logging.getLogger(__name__)
 
+OpenApiResponses = dict[int | str, dict[str, Any]]
+"""A route's ``responses``, its answers described in the OpenAPI document (FastAPI's type for them)."""
+
 VALIDATION_PREFIX = "Input validation error: "
 # Parts of a pydantic error location that are not field names: the request part and union member tags.
 _NOT_FIELDS = {"body", "str", "int", "float", "bool"}

@@ -110,7 +110,7 @@ class InferenceRequest(BaseModel):
     priority: Priority = Field(DEFAULT_PRIORITY, description="1 (served first) to 5 (the default)")
 
     @classmethod
-    def with_sampling(cls, params: BaseModel, **fields: Any) -> "InferenceRequest":
+    def with_sampling(cls, params: BaseModel, **fields: Any) -> InferenceRequest:
         """A request taking the sampling fields ``params`` has under this model's names (TGI's and KServe's
         parameters do), plus ``fields``."""
         sent = {name: getattr(params, name) for name in SAMPLING_FIELDS if hasattr(params, name)}
@@ -124,7 +124,7 @@ class InferenceRequest(BaseModel):
         return [part for part in parts if isinstance(part, MediaSource)]
 
     @model_validator(mode="after")
-    def _one_prompt(self) -> "InferenceRequest":
+    def _one_prompt(self) -> InferenceRequest:
         if sum(p is not None for p in (self.text, self.token_ids, self.messages, self.parts)) != 1:
             raise ValueError("a request has exactly one prompt: text, token ids, messages or parts")
         return self
@@ -217,6 +217,7 @@ async def _media(ctx: ServerContext, protocol: Protocol, request: InferenceReque
                 f"{kind} items: the text may not spell the placeholder, nor `truncate` cut an item",
                 request.prompt_field,
             )
+    assert ctx.media is not None  # ServerContext.__post_init__ makes one
     try:
         return await ctx.media.load_all(sources)
     except MediaRefused as exc:

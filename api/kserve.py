@@ -31,13 +31,14 @@ from sse_starlette import EventSourceResponse
 
 from api import __version__
 from api.context import ServerContext, get_ctx
-from api.errors import ProtocolError, error_route_class, validation_error
+from api.errors import OpenApiResponses, ProtocolError, error_route_class, validation_error
+from api.inference import REST_STATUSES, InferenceRequest, Protocol, generate, resolve, resolve_ids, submit
 from api.kserve_schemas import (
     DATATYPE,
     INPUT_NAME,
     OUTPUT_NAME,
-    KServeErrorResponse,
     InferenceStatistics,
+    KServeErrorResponse,
     KServeGenerateRequest,
     KServeGenerateResponse,
     KServeInferRequest,
@@ -57,12 +58,11 @@ from api.kserve_schemas import (
     StatisticDuration,
     StopInferRequest,
 )
-from api.inference import REST_STATUSES, InferenceRequest, Protocol, generate, resolve, resolve_ids, submit
 from api.metrics import series
 from api.pipeline import GenerationRequest, GenerationResult, send_control, unready_reason
 from api.sse import event_stream
 from common import keys
-from common.connection import REDIS_ERRORS
+from common.connection import REDIS_ERRORS, as_text
 from common.protocol import Control, TokenEvent
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -86,14 +86,14 @@ router = APIRouter(
     prefix="/v2", route_class=error_route_class(render_kserve_error, 400, require_json=False), tags=["KServe v2"]
 )
 
-ERROR_RESPONSES = {
+ERROR_RESPONSES: OpenApiResponses = {
     400: {"model": KServeErrorResponse, "description": "Bad request"},
     404: {"model": KServeErrorResponse, "description": "Unknown model"},
     500: {"model": KServeErrorResponse, "description": "Generation failed or timed out"},
     503: {"model": KServeErrorResponse, "description": "Overloaded (queue full) or Redis unreachable"},
 }
-READY = {200: {"description": "Ready (empty body)"}}
-NOT_READY = {503: {"model": KServeErrorResponse, "description": "No live worker serves the model"}}
+READY: OpenApiResponses = {200: {"description": "Ready (empty body)"}}
+NOT_READY: OpenApiResponses = {503: {"model": KServeErrorResponse, "description": "No live worker serves the model"}}
 
 
 def _invalid(message: str) -> ProtocolError:
@@ -169,6 +169,7 @@ def to_generation_request(ctx: ServerContext, body: KServeInferRequest, binary: 
 async def text_to_generation_request(ctx: ServerContext, body: KServeGenerateRequest) -> GenerationRequest:
     """The generate extension's request as a pipeline request (:func:`api.inference.resolve`)."""
     params = body.sampling
+    assert not isinstance(params.stop, str)  # its validator made it a list
     request = _inference_request(params, "text_input", stop=params.stop, text=body.text_input)
     return await resolve(ctx, KSERVE, request)
 
@@ -416,7 +417,7 @@ async def stop_infer(body: StopInferRequest, ctx: Ctx) -> StopInferRequest:
         job_id = await ctx.redis.get(keys.inflight_key(ctx.model.model_id, body.id))  # see api.pipeline.submit
         if job_id is None:
             raise ProtocolError(404, f"request {body.id} is not in flight", "NotFoundError")
-        await send_control(ctx, Control(request_id=job_id.decode(), action="stop"))
+        await send_control(ctx, Control(request_id=as_text(job_id), action="stop"))
     except REDIS_ERRORS as exc:
         raise ProtocolError(503, f"the job queue is unreachable: {exc}", "unavailable") from None
     return body

@@ -18,13 +18,13 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from api.pipeline import (
-    validate_adapter_id,
     MAX_INPUT_CHARS,
     MAX_STOP_CHARS,
     MAX_STOP_ITEMS,
     REQUEST_ID_PATTERN,
     REQUEST_ID_REGEX,
     check_text,
+    validate_adapter_id,
     validate_stop,
 )
 from api.ranges import Integer, in_range, stop_schema, text_schema
@@ -91,7 +91,9 @@ def merge_parameters(result: type[P], sources: Sequence[BaseModel], names: Mappi
             if name in merged and merged[name] != value:
                 raise ValueError(f"`{name}` is given twice with different values: {merged[name]!r} and {value!r}")
             merged[name] = value
-    return result.model_construct(**merged)  # every value was validated in its source
+    # every value was validated in its source. The pydantic mypy plugin types model_construct as returning the
+    # class that declares it (SamplingParameters), not type[P]'s P
+    return result.model_construct(**merged)  # type: ignore[return-value]
 
 
 class InputParameters(SamplingParameters):

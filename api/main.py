@@ -21,7 +21,6 @@ from common.process import command_parser, freeze_startup_heap
 from common.protocol import ErrorEvent
 from common.settings import Settings, settings_or_exit
 
-
 SHUTDOWN_MARGIN_SECONDS = 5.0
 """What a graceful shutdown gives requests past shutdownGraceSeconds, for the error that ends them to be written:
 more than a stream's :data:`api.sse.SHUTDOWN_WRITE_SECONDS`."""

@@ -311,26 +311,28 @@ class MediaLoader:
         name = f"[{host}]" if ":" in host else host  # an IPv6 literal
         host_header = name if parts.port is None else f"{name}:{port}"
         try:
-            async with httpcore.AsyncConnectionPool(ssl_context=self._ssl_context, network_backend=backend) as pool:
-                async with pool.stream("GET", parts._replace(fragment="").geturl(),
-                                       headers=[("Host", host_header), ("Accept", "*/*")],
-                                       extensions={"timeout": {"connect": timeout, "read": timeout,
-                                                               "write": timeout, "pool": timeout}}) as response:
-                    headers = {name.decode("latin-1").lower(): value.decode("latin-1")
-                               for name, value in response.headers}
-                    if response.status in (301, 302, 303, 307, 308) and "location" in headers:
-                        return b"", headers["location"]
-                    if response.status != 200:
-                        raise MediaRefused(f"{label}: {host} answered HTTP {response.status}")
-                    length = headers.get("content-length", "")
-                    if length.isdigit() and int(length) > cap:
+            async with (
+                httpcore.AsyncConnectionPool(ssl_context=self._ssl_context, network_backend=backend) as pool,
+                pool.stream("GET", parts._replace(fragment="").geturl(),
+                            headers=[("Host", host_header), ("Accept", "*/*")],
+                            extensions={"timeout": {"connect": timeout, "read": timeout,
+                                                    "write": timeout, "pool": timeout}}) as response,
+            ):
+                headers = {name.decode("latin-1").lower(): value.decode("latin-1")
+                           for name, value in response.headers}
+                if response.status in (301, 302, 303, 307, 308) and "location" in headers:
+                    return b"", headers["location"]
+                if response.status != 200:
+                    raise MediaRefused(f"{label}: {host} answered HTTP {response.status}")
+                length = headers.get("content-length", "")
+                if length.isdigit() and int(length) > cap:
+                    raise _too_big(label, kind)
+                data = bytearray()
+                async for chunk in response.aiter_stream():
+                    data += chunk
+                    if len(data) > cap:
                         raise _too_big(label, kind)
-                    data = bytearray()
-                    async for chunk in response.aiter_stream():
-                        data += chunk
-                        if len(data) > cap:
-                            raise _too_big(label, kind)
-                    return bytes(data), None
+                return bytes(data), None
         except httpcore.TimeoutException:
             raise MediaRefused(f"{label}: {host} did not answer within {timeout:g} s (mediaTimeout)") from None
         except (httpcore.NetworkError, httpcore.ProtocolError, ssl.SSLError) as exc:

@@ -61,12 +61,13 @@ from starlette.background import BackgroundTask
 
 from api import pipeline, tgi
 from api.context import ProbeResult, ServerContext, get_ctx
-from api.errors import ProtocolError, error_route_class
+from api.errors import OpenApiResponses, ProtocolError, error_route_class
 from api.health import model_states
 from api.inference import InferenceRequest, generate, new_request_id, resolve, submit, tokenize
 from api.mindie_schemas import (
     NUL,
     GenerateBody,
+    MetricsJsonResponse,
     MindIEDetails,
     MindIEInferRequest,
     MindIEInferResponse,
@@ -74,7 +75,6 @@ from api.mindie_schemas import (
     MindIEStreamDetails,
     MindIEStreamResponse,
     MindIEStreamToken,
-    MetricsJsonResponse,
     ModelLoad,
     ModelMetrics,
     SlotCountResponse,
@@ -107,7 +107,7 @@ def _uuid_route_class(base: type[APIRoute]) -> type[APIRoute]:
     replace by the pipeline's) and answer it in the ``RequestUUID`` header, errors included: the error
     answers are made inside ``base``'s handler, so they pass here too. Only this router's routes carry it."""
 
-    class MindIERoute(base):  # type: ignore[misc, valid-type]
+    class MindIERoute(base):  # type: ignore[misc, valid-type]  # mypy takes no base class from a variable
         def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
             handler = super().get_route_handler()
 
@@ -233,7 +233,7 @@ def _full_text(body: MindIEInferRequest, generated: str) -> str:
     return f"{body.inputs}{generated}" if body.parameters.return_full_text else generated
 
 
-INFER_RESPONSES = {
+INFER_RESPONSES: OpenApiResponses = {
     **tgi.ERROR_RESPONSES,
     200: {"model": MindIEInferResponse, **tgi.SSE_CONTENT,
           "description": "the generation, or with stream=true an SSE stream of MindIEStreamResponse events"},
@@ -316,7 +316,7 @@ async def tokenizer(body: TokenizeRequest, ctx: Ctx) -> TokenizeResponse:
 
 # ------------------------------------------------------------------------------- status, health and metrics
 
-UNAVAILABLE = {503: {"model": tgi.TGIErrorResponse, "description": "Redis is unreachable"}}
+UNAVAILABLE: OpenApiResponses = {503: {"model": tgi.TGIErrorResponse, "description": "Redis is unreachable"}}
 
 
 async def _states(ctx: ServerContext) -> dict[str, ModelState]:
@@ -372,7 +372,7 @@ async def status(ctx: Ctx) -> StatusResponse:
 
 
 HealthSeconds = Annotated[int, Path(ge=1, le=MAX_HEALTH_SECONDS, description="seconds the generation may take")]
-TIMED_HEALTH_RESPONSES = {
+TIMED_HEALTH_RESPONSES: OpenApiResponses = {
     200: {"model": TimedHealthResponse, "description": "a one-token generation answered in time"},
     500: {"model": TimedHealthResponse, "description": "it failed or did not answer in time"},
     422: tgi.ERROR_RESPONSES[422],

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from api.openai_schemas import StopTokenIds, UnsupportedPenalty, VllmRepetitionPenalty, VllmTopP
+from api.openai_schemas import FrequencyPenalty, PresencePenalty, StopTokenIds, VllmRepetitionPenalty, VllmTopP
 from api.pipeline import (
     MAX_INPUT_CHARS,
     MAX_STOP_CHARS,
@@ -87,8 +87,8 @@ class VLLMGenerateRequest(BaseModel):
         Integer | None, in_range(f"`seed` must be >= 0 and <= {UINT64_MAX}. Given: {{v}}", ge=0, le=UINT64_MAX)
     ] = None
     repetition_penalty: VllmRepetitionPenalty = None
-    presence_penalty: UnsupportedPenalty("presence_penalty") = None
-    frequency_penalty: UnsupportedPenalty("frequency_penalty") = None
+    presence_penalty: PresencePenalty = None
+    frequency_penalty: FrequencyPenalty = None
     stop: Annotated[list[str] | str | None, stop_schema(MAX_STOP_ITEMS, MAX_STOP_CHARS)] = None
     stop_token_ids: StopTokenIds = None
     ignore_eos: bool | None = None
@@ -179,9 +179,11 @@ class MindIEInferRequest(BaseModel):
         "then": {"properties": {"parameters": {"properties": {"return_full_text": {"enum": [False, None]}}}}},
     })
 
+    # Typed without None so that an explicit null is refused (strict): None is only the default of an absent one
     inputs: Annotated[str, text_schema(MAX_INPUT_CHARS, "a text prompt (or give `input_id`)")] = None  # type: ignore[assignment]
-    input_id: Annotated[list[int], WholeNumbers] = Field(  # type: ignore[assignment]
-        None, json_schema_extra={"items": {"type": "integer", "minimum": 0}, "minItems": 1},
+    input_id: Annotated[list[int], WholeNumbers] = Field(
+        None,  # type: ignore[arg-type]
+        json_schema_extra={"items": {"type": "integer", "minimum": 0}, "minItems": 1},
         description="the prompt's token ids (or give `inputs`)",
     )
     stream: bool = Field(False, json_schema_extra=_null_allowed)
@@ -200,7 +202,7 @@ class MindIEInferRequest(BaseModel):
         return check_token_ids("input_id", v)
 
     @model_validator(mode="after")
-    def _one_prompt(self) -> "MindIEInferRequest":
+    def _one_prompt(self) -> MindIEInferRequest:
         if self.inputs is not None and self.input_id is not None:
             raise ValueError("Input conflict.")
         if self.inputs is None and self.input_id is None:

@@ -30,7 +30,8 @@ from pydantic import BaseModel
 
 from api import adapters
 from api.context import ModelInfo, ServerContext, get_ctx
-from api.errors import ProtocolError, error_route_class
+from api.errors import OpenApiResponses, ProtocolError, error_route_class
+from api.inference import REST_STATUSES, InferenceRequest, Protocol, generate, new_request_id, resolve, submit
 from api.openai_schemas import (
     ChatChoice,
     ChatChunkChoice,
@@ -52,7 +53,6 @@ from api.openai_schemas import (
     UnloadLoraAdapterRequest,
     Usage,
 )
-from api.inference import REST_STATUSES, InferenceRequest, Protocol, generate, new_request_id, resolve, submit
 from api.pipeline import GenerationRequest, PipelineError
 from api.sse import event_stream
 from common.protocol import Finish, TokenEvent
@@ -82,14 +82,14 @@ def render_openai_error(exc: ProtocolError) -> Response:
 
 router = APIRouter(prefix="/v1", route_class=error_route_class(render_openai_error, 400), tags=["OpenAI"])
 
-ERROR_RESPONSES = {
+ERROR_RESPONSES: OpenApiResponses = {
     400: {"model": OpenAIErrorResponse, "description": "Invalid request"},
     404: {"model": OpenAIErrorResponse, "description": "Unknown model"},
     500: {"model": OpenAIErrorResponse, "description": "Generation failed or timed out"},
     503: {"model": OpenAIErrorResponse, "description": "Overloaded (queue full) or Redis unreachable"},
 }
-STREAM_RESPONSE = {"content": {"text/event-stream": {}},
-                   "description": "when stream is true: chunks, then `data: [DONE]`"}
+STREAM_RESPONSE: dict[str, Any] = {"content": {"text/event-stream": {}},
+                                   "description": "when stream is true: chunks, then `data: [DONE]`"}
 
 Ctx = Annotated[ServerContext, Depends(get_ctx)]
 
@@ -289,7 +289,8 @@ async def _respond(
 async def completions(body: CompletionRequest, ctx: Ctx, http: Request) -> Response:
     """Text completion of one prompt (a string or token ids)."""
     ctx, adapter = await model_context(ctx, body.model)
-    shape = CompletionShape(id=f"cmpl-{new_request_id()}", created=int(time.time()), model=adapter or ctx.model.model_id)
+    shape = CompletionShape(id=f"cmpl-{new_request_id()}", created=int(time.time()),
+                            model=adapter or ctx.model.model_id)
     return await _respond(ctx, body, await to_completion_request(ctx, body, shape.id, adapter), shape, http)
 
 
@@ -337,8 +338,10 @@ async def retrieve_model(model: str, ctx: Ctx) -> ModelCard:
 # -- LoRA adapters at run time (vLLM's routes; MindIE serves the same) ---------------------------------------
 
 
-ADAPTER_RESPONSES = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "done"},
-                     400: ERROR_RESPONSES[400], 404: ERROR_RESPONSES[404]}
+ADAPTER_RESPONSES: OpenApiResponses = {
+    200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "done"},
+    400: ERROR_RESPONSES[400], 404: ERROR_RESPONSES[404],
+}
 
 
 def _master(ctx: ServerContext, model: str | None) -> ServerContext:

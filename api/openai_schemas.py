@@ -28,6 +28,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.json_schema import JsonDict
 
 from api.media import MediaSource
 from api.pipeline import (
@@ -51,15 +52,19 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 TOOL_ROLES = ("tool", "function")
 
 OpenAIFinishReason = Literal["stop", "length"]
-NO_TOOLS = {"maxItems": 0}  # tools and functions: none or []
+NO_TOOLS: JsonDict = {"maxItems": 0}  # tools and functions: none or []
 NO_TOOL_CHOICE = WithJsonSchema({"enum": ["none", None], "description": "no tool calling: only 'none'"})
 UNSUPPORTED_PENALTY = ("`{field}` is not supported, only 0: this server has no such penalty (its repetition_penalty "
                        "is a different, multiplicative penalty). Given: {{v}}")
 
 
-def UnsupportedPenalty(field: str) -> Any:  # noqa: N802 (a type, as the fields use it)
-    """A penalty field of OpenAI's and vLLM's this server has no such penalty for: only 0, else a message."""
-    return Annotated[float | None, in_range(UNSUPPORTED_PENALTY.format(field=field), ge=0, le=0)]
+# The penalty fields of OpenAI's and vLLM's this server has no such penalty for: only 0, else a message
+PresencePenalty = Annotated[
+    float | None, in_range(UNSUPPORTED_PENALTY.format(field="presence_penalty"), ge=0, le=0)
+]
+FrequencyPenalty = Annotated[
+    float | None, in_range(UNSUPPORTED_PENALTY.format(field="frequency_penalty"), ge=0, le=0)
+]
 
 
 # vLLM's sampling fields, as the OpenAI routes and MindIE's vLLM dialect of /generate take them
@@ -135,8 +140,8 @@ class SamplingRequest(BaseModel):
         in_range(f"`seed` must be a 64-bit signed integer, >= {INT64_MIN} and <= {INT64_MAX}. Given: {{v}}",
                  ge=INT64_MIN, le=INT64_MAX),
     ] = None
-    presence_penalty: UnsupportedPenalty("presence_penalty") = None
-    frequency_penalty: UnsupportedPenalty("frequency_penalty") = None
+    presence_penalty: PresencePenalty = None
+    frequency_penalty: FrequencyPenalty = None
     logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0}, description="only {}")
     user: str | None = None  # accepted and ignored: it only identifies the end user to OpenAI
     metadata: dict[str, str] | None = None  # accepted and ignored: tags for OpenAI's dashboards
@@ -414,6 +419,7 @@ class ChatCompletionRequest(SamplingRequest):
     @classmethod
     def _tool_choice(cls, v: str | dict[str, Any] | None, info: ValidationInfo) -> str | dict[str, Any] | None:
         if v is not None and v != "none":
+            assert info.field_name is not None  # a field validator's
             raise _unsupported(info.field_name, v, "is not supported, only 'none': this server has no tool calling")
         return v
 

@@ -24,7 +24,7 @@ from api.health import live_workers
 from api.media import MediaData
 from api.relay import RelayUnavailable
 from common import keys
-from common.connection import REDIS_ERRORS, publish, publish_command
+from common.connection import REDIS_ERRORS, as_text, publish, publish_command
 from common.logs import bind_request_id
 from common.protocol import (
     ADAPTER_NAME_PATTERN,
@@ -323,7 +323,7 @@ async def _adapter(ctx: ServerContext, name: str) -> AdapterRef:
     if path is None:
         raise PipelineError(f"the LoRA adapter `{name}` is not loaded for model `{model}` (configure it in "
                             "loraModules or load it with POST /v1/load_lora_adapter)", "validation")
-    return AdapterRef(name=name, path=path.decode())
+    return AdapterRef(name=name, path=as_text(path))
 
 
 async def _admit(ctx: ServerContext, job: Job, request: GenerationRequest) -> None:
@@ -333,7 +333,7 @@ async def _admit(ctx: ServerContext, job: Job, request: GenerationRequest) -> No
     settings, model = ctx.settings, job.model
     ttl = int(settings.e2e_timeout) + 60
     pipe = ctx.redis.pipeline(transaction=False)
-    for ref, item in zip(job.media, request.media):
+    for ref, item in zip(job.media, request.media, strict=True):
         pipe.set(ref.key, item.data, ex=ttl)
     notice = publish_command(settings.redis_cluster, keys.control_channel(model),
                              Control(request_id=job.request_id, action="queued").model_dump_json())

@@ -84,7 +84,7 @@ class EventRelay:
         self._reader = asyncio.create_task(self._run(), name="event-relay")
         try:
             await asyncio.wait_for(self._subscribed.wait(), wait)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("Redis unreachable at start-up; the event relay keeps trying")
 
     async def stop(self) -> None:
@@ -104,7 +104,7 @@ class EventRelay:
         if self._sharded:
             try:
                 await self._ssubscribe(self.channel(request_id))
-            except (*REDIS_ERRORS, OSError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, *REDIS_ERRORS, OSError) as exc:
                 self.release(request_id)
                 raise RelayUnavailable(f"cannot subscribe to the request's channel: {exc or 'no confirmation'}") \
                     from None
@@ -183,6 +183,7 @@ class EventRelay:
         else:
             await cluster.initialize()
         node = cluster.get_node_from_key(self.channel("relay"))
+        assert node is not None  # None only for replica=True; a slot no node covers raises
         return Redis.from_pool(ConnectionPool(connection_class=node.connection_class, **node.connection_kwargs))
 
     async def _dispatch(self, pubsub: PubSub) -> None:

@@ -7,7 +7,7 @@ does; :mod:`api.inference` does the rest.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import orjson
 from fastapi import APIRouter, Depends, Header, Request
@@ -16,7 +16,7 @@ from sse_starlette import EventSourceResponse
 
 from api import __version__
 from api.context import ServerContext, get_ctx
-from api.errors import ProtocolError, error_route_class
+from api.errors import OpenApiResponses, ProtocolError, error_route_class
 from api.health import HealthResponse, health_response, model_states
 from api.inference import InferenceRequest, Protocol, generate, resolve, submit
 from api.pipeline import (
@@ -30,9 +30,10 @@ from api.pipeline import (
 )
 from api.sse import event_stream
 from api.tgi_schemas import (
+    InfoModel,
+    TextItem,
     TGIDetails,
     TGIErrorResponse,
-    InfoModel,
     TGIGenerateResponse,
     TGIInfo,
     TGIPrefillToken,
@@ -41,7 +42,6 @@ from api.tgi_schemas import (
     TGIStreamResponse,
     TGIStreamToken,
     TGIToken,
-    TextItem,
     prompt_parts,
 )
 from common.protocol import TokenEvent
@@ -55,7 +55,7 @@ def render_tgi_error(exc: ProtocolError) -> Response:
 
 router = APIRouter(route_class=error_route_class(render_tgi_error), tags=["TGI"])
 
-ERROR_RESPONSES = {
+ERROR_RESPONSES: OpenApiResponses = {
     422: {"model": TGIErrorResponse, "description": "Input validation error"},
     424: {"model": TGIErrorResponse, "description": "Generation error"},
     429: {"model": TGIErrorResponse, "description": "Overloaded: queue or connection limit reached"},
@@ -209,7 +209,7 @@ async def _stream(
     return event_stream(submission, render, _error_event, headers={"x-request-id": request.request_id})
 
 
-SSE_CONTENT = {"content": {"text/event-stream": {}}}  # a stream's 200, beside or instead of JSON
+SSE_CONTENT: dict[str, Any] = {"content": {"text/event-stream": {}}}  # a stream's 200, beside or instead of JSON
 Ctx = Annotated[ServerContext, Depends(get_ctx)]
 RequestIdHeader = Annotated[str | None, Header(alias="x-request-id", json_schema_extra={"pattern": REQUEST_ID_REGEX})]
 

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from api.media import MediaSource
 from api.pipeline import (
     MAX_INPUT_CHARS,
     MAX_STOP_CHARS,
@@ -19,7 +20,6 @@ from api.pipeline import (
     validate_stop,
 )
 from api.ranges import Integer, in_range, stop_schema, text_schema
-from api.media import MediaSource
 from common.protocol import ADAPTER_NAME_PATTERN, FinishReason, MediaKind
 
 UINT32_MAX_PARAM = 2147483647
@@ -51,7 +51,9 @@ class TGIParameters(BaseModel):
         in_range(f"`max_new_tokens` must be strictly positive and <= {UINT32_MAX_PARAM}. Given: {{v}}",
                  gt=0, le=UINT32_MAX_PARAM),
     ] = None
-    repetition_penalty: Annotated[float | None, in_range("`repetition_penalty` must be strictly positive", gt=0.0)] = None
+    repetition_penalty: Annotated[
+        float | None, in_range("`repetition_penalty` must be strictly positive", gt=0.0)
+    ] = None
     return_full_text: bool | None = None
     seed: Annotated[
         Integer | None, in_range(f"`seed` must be > 0 and <= {UINT64_MAX}. Given: {{v}}", gt=0, le=UINT64_MAX)

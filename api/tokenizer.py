@@ -153,7 +153,7 @@ class ApiTokenizer:
         self.chat_template = chat_template
 
     @classmethod
-    def load(cls, model: Path) -> "ApiTokenizer":
+    def load(cls, model: Path) -> ApiTokenizer:
         """The tokenizer of ``model`` (a folder or a hub id whose config.json was found); raises
         :class:`ModelUnavailable` when it has no tokenizer.json or that file cannot be read."""
         tokenizer_file = optional_model_file(model, "tokenizer.json")

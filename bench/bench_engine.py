@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.protocol import Job, SamplingParams  # noqa: E402
 from common.settings import Settings  # noqa: E402
 from worker.attention import use_padded_attention  # noqa: E402
-from worker.transformers_engine import TransformersEngine  # noqa: E402
 from worker.tiny_model import make_tiny_model  # noqa: E402
+from worker.transformers_engine import TransformersEngine  # noqa: E402
 
 
 def make_prompts(tokenizer: PreTrainedTokenizerBase, vocab_size: int, count: int, length: int) -> list[list[int]]:
@@ -138,10 +138,12 @@ def main(argv: list[str] | None = None) -> None:
     for label, (tokens, seconds) in best.items():
         print(f"| {label} | {tokens} | {seconds:.2f} | {rate[label]:.1f} |")
     print()
-    engine = {c: rate[label] for c, label in zip(args.concurrency, runs)}
+    # the engine's runs come first in ``runs``, one per concurrency; the static ones follow
+    engine = {c: rate[label] for c, label in zip(args.concurrency, runs, strict=False)}
     static = {b: rate[f"static model.generate, batch {b}"] for b in args.static_batch}
     for concurrency in sorted(set(engine) & set(static)):
-        print(f"engine @ {concurrency} / static generate @ {concurrency}: {engine[concurrency] / static[concurrency]:.2f}")
+        print(f"engine @ {concurrency} / static generate @ {concurrency}: "
+              f"{engine[concurrency] / static[concurrency]:.2f}")
     if 1 in engine:
         top = max(engine)
         print(f"engine @ {top} / sequential serving: {engine[top] / engine[1]:.1f}x")

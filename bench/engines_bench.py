@@ -86,13 +86,12 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path[:0] = [str(ROOT), str(BENCH)]
 
-from bench_engine import make_prompts  # noqa: E402
-from loadgen import COMPLETIONS_ROUTE, RequestRecord, completion_body, run_level, summarize  # noqa: E402
 import serve_bench  # noqa: E402
-from serve_bench import Workload, _ms, _table, deploy, in_process, machine_facts, model_without_eos  # noqa: E402
-
-from server.embedded import embedded_redis  # noqa: E402
+from bench_engine import make_prompts  # noqa: E402
 from common.settings import Settings, default_model_dir  # noqa: E402
+from loadgen import COMPLETIONS_ROUTE, RequestRecord, completion_body, run_level, summarize  # noqa: E402
+from serve_bench import Workload, _ms, _table, deploy, in_process, machine_facts, model_without_eos  # noqa: E402
+from server.embedded import embedded_redis  # noqa: E402
 from tests.conftest import free_port, wait_healthy  # noqa: E402
 from worker.cpu_threads import auto_cores  # noqa: E402
 from worker.tiny_model import ensure_tiny_model  # noqa: E402
@@ -176,7 +175,8 @@ def parameter_count(model: Path) -> int:
     from safetensors import safe_open
 
     with safe_open(model / "model.safetensors", "pt") as weights:
-        return sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())
+        # safe_open is not a mapping: keys() is the only way to its tensor names
+        return sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())  # noqa: SIM118
 
 
 def installed(*distributions: str) -> str | None:
@@ -441,7 +441,9 @@ def stop_tree(process: subprocess.Popen[bytes]) -> None:
 # -- the run ---------------------------------------------------------------------------------------
 
 
-def measure(args: argparse.Namespace, cfg: Config, sides: dict[str, Side], prompts: list[list[int]]) -> list[dict[str, Any]]:
+def measure(
+    args: argparse.Namespace, cfg: Config, sides: dict[str, Side], prompts: list[list[int]]
+) -> list[dict[str, Any]]:
     """Every round, every level, every side back to back; odd rounds in reverse side order."""
     runs = []
     order = list(sides)
@@ -531,9 +533,10 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Engines benchmark", "",
         f"Command: `{config['command']}`", "",
-        f"Machine: {facts['nproc']} cores ({facts['cpu_model']}), {facts['ram_gib']} GiB RAM, Python {facts['python']}, "
-        f"torch {facts['torch']}, transformers {facts['transformers']}, vllm {facts['vllm']} (server venv: "
-        f"{facts.get('vllm_server_venv', '–')}), {facts['date']}, commit {facts['git_commit']}, load average at start "
+        f"Machine: {facts['nproc']} cores ({facts['cpu_model']}), {facts['ram_gib']} GiB RAM, "
+        f"Python {facts['python']}, torch {facts['torch']}, transformers {facts['transformers']}, "
+        f"vllm {facts['vllm']} (server venv: {facts.get('vllm_server_venv', '–')}), {facts['date']}, "
+        f"commit {facts['git_commit']}, load average at start "
         f"{' / '.join(str(x) for x in facts['load_average_at_start'])}.", "",
         f"Workload: a {report['model']['parameters'] / 1e6:.1f}M-parameter Llama ({report['model']['shape']}), "
         f"float32, prompts of {config['prompt_tokens']} token ids, exactly {config['new_tokens']} new tokens per "
@@ -620,7 +623,8 @@ def main(argv: list[str] | None = None) -> None:
           f"vLLM binds its engine core to cores {bound}", flush=True)
 
     with contextlib.ExitStack() as stack:
-        redis_url = stack.enter_context(embedded_redis("redis-server")) if any(s.startswith("ferry") for s in sides) else ""
+        served = any(s.startswith("ferry") for s in sides)
+        redis_url = stack.enter_context(embedded_redis("redis-server")) if served else ""
         starters: dict[str, Callable[[], contextlib.AbstractContextManager[Side]]] = {
             "transformers": lambda: transformers_in_process(cfg),
             "vllm-offline": lambda: vllm_offline(cfg),

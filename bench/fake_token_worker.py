@@ -110,7 +110,7 @@ class FakeTokenEngine(Engine):
         return self.settings.max_batch_total_tokens
 
     @classmethod
-    def load(cls, settings: Settings) -> "FakeTokenEngine":
+    def load(cls, settings: Settings) -> FakeTokenEngine:
         return cls(settings, DEFAULT_INTERVAL_MS / 1000)
 
     def step(self) -> list[StepOutput]:
@@ -150,7 +150,8 @@ class FakeTokenEngine(Engine):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--interval-ms", type=float, default=DEFAULT_INTERVAL_MS, help="time between two tokens of one request")
+    parser.add_argument("--interval-ms", type=float, default=DEFAULT_INTERVAL_MS,
+                        help="time between two tokens of one request")
     args = parser.parse_args(argv)
     settings = Settings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -128,7 +128,8 @@ def main() -> None:
     result = {"commit": commit, "engine": args.engine or "default", "cpus": os.cpu_count(),
               "runs": [asdict(run) for run in runs]}
     (args.out / "first_contact.json").write_text(json.dumps(result, indent=2))
-    print(f"\n| start ({commit}, engine {result['engine']}) | install done s | /health 200 s | first /v1/completions 200 s |")
+    print(f"\n| start ({commit}, engine {result['engine']}) | install done s | /health 200 s "
+          "| first /v1/completions 200 s |")
     print("|---|---:|---:|---:|")
     for run in runs:
         installed = f"{run.installed_s:.1f}" if run.installed_s is not None else "-"

@@ -57,7 +57,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,9 +68,8 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path[:0] = [str(ROOT), str(BENCH)]
 
-from loadgen import COMPLETIONS_ROUTE, STREAM_ROUTE, run_level, summarize  # noqa: E402
-
 from common.process import child_process, stop_processes  # noqa: E402
+from loadgen import COMPLETIONS_ROUTE, STREAM_ROUTE, run_level, summarize  # noqa: E402
 from worker.tiny_model import ensure_tiny_model, make_tiny_vlm  # noqa: E402
 
 CORPUS = ROOT / "worker" / "data" / "corpus.txt"
@@ -158,9 +157,9 @@ def start_stack(ferry_root: Path, redis_url: str, model: Path, log_dir: Path,
     log_dir.mkdir(parents=True, exist_ok=True)
     processes: dict[str, subprocess.Popen[bytes]] = {}
     for name, module in (("worker", "worker.main"), ("api", "api.main")):
-        log = open(log_dir / f"{name}.log", "wb")
-        processes[name] = child_process([sys.executable, "-m", module], env=env, cwd=ferry_root,
-                                        stdout=log, stderr=subprocess.STDOUT)
+        with open(log_dir / f"{name}.log", "wb") as log:  # the child has its own copy of the descriptor
+            processes[name] = child_process([sys.executable, "-m", module], env=env, cwd=ferry_root,
+                                            stdout=log, stderr=subprocess.STDOUT)
     stack = Stack(f"http://127.0.0.1:{port}", model_name, redis_url, processes, log_dir)
     try:
         wait_healthy(stack, START_SECONDS)
@@ -670,6 +669,18 @@ def findings(report: dict[str, Any]) -> list[str]:
             first = tally.get("samples", {}).get(f"{kind} {next(iter(other))}", "")
             lines.append(f"- {kind}: expected {EXPECTED.get(kind, '?')}, also got {_counts(other)}"
                          + (f"; first answer: `{first[:200]}`" if first else ""))
+    lines += _case_findings(tally)
+    for crash in tally["crashes"]:
+        lines.append(f"- the hostile process failed: {crash}")
+    lines += _round_findings(report)
+    if len(lines) == 1:
+        lines.append("- every hostile request was answered as expected")
+    return lines
+
+
+def _case_findings(tally: dict[str, Any]) -> list[str]:
+    """The poisoners' and bombs' cases answered otherwise than expected, one line each."""
+    lines = []
     for kind, cases in tally["by_case"].items():
         for case, counts in sorted(cases.items()):
             other = {s: n for s, n in counts.items() if not server_error(s) and _unexpected(kind, s)}
@@ -680,8 +691,12 @@ def findings(report: dict[str, Any]) -> list[str]:
             else:
                 lines.append(f"- {kind} `{case}`: expected {EXPECTED[kind]}, got {_counts(other)}"
                              + (" (accepted: the server ran it)" if "200" in other else ""))
-    for crash in tally["crashes"]:
-        lines.append(f"- the hostile process failed: {crash}")
+    return lines
+
+
+def _round_findings(report: dict[str, Any]) -> list[str]:
+    """Per round and side: Ferry processes that exited, victim failures."""
+    lines = []
     for number, sides in enumerate(report["rounds"], 1):
         for side, result in sides.items():
             if result.get("exited"):
@@ -690,8 +705,6 @@ def findings(report: dict[str, Any]) -> list[str]:
             if victims.get("failures"):
                 lines.append(f"- round {number} {side}: {victims['failures']} victim failures "
                              f"({_counts(victims['failure_kinds'])}); first: {victims['failure_samples'][0][:200]}")
-    if len(lines) == 1:
-        lines.append("- every hostile request was answered as expected")
     return lines
 
 
@@ -780,7 +793,7 @@ def machine_facts(ferry_root: Path) -> dict[str, Any]:
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ferry_root,
                            capture_output=True, text=True)
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "nproc": os.cpu_count(),
         "cpu_model": next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
                            if line.startswith("model name")), platform.processor()),

@@ -50,7 +50,7 @@ def summarize(records: list[RequestRecord], wall: float) -> dict[str, Any]:
     # Steady state: only gaps that start once every stream of the level has its first token (for a level
     # whose streams all open at once, this leaves out the burst of opening them).
     all_open = max((r.token_times[0] for r in ok if r.token_times), default=0.0)
-    steady_itl = [(b - a) * 1000 for r in ok for a, b in zip(r.token_times, r.token_times[1:]) if a >= all_open]
+    steady_itl = [(b - a) * 1000 for r in ok for a, b in itertools.pairwise(r.token_times) if a >= all_open]
     e2e = [(r.end - r.start) * 1000 for r in ok]
     lags = [lag * 1000 for r in ok for lag in r.relay_lags]
     errors = [r.error for r in records if r.error is not None]
@@ -172,7 +172,7 @@ async def run_level(
     server is silent for ``timeout`` seconds; the whole level is cut after ``timeout`` + 60 s."""
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     urls = itertools.cycle([base + route for base in base_urls])
-    jobs = iter(list(zip(urls, bodies)))
+    jobs = iter(list(zip(urls, bodies, strict=False)))  # urls cycles: one per body
     records: list[RequestRecord] = []
 
     async def client_loop(client: httpx.AsyncClient) -> None:

@@ -54,16 +54,16 @@ sys.path[:0] = [str(ROOT), str(BENCH)]
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from bench_engine import make_prompts  # noqa: E402
-from loadgen import COLLECT_ROUTE, STREAM_ROUTE, RequestRecord, run_level, summarize, tgi_body  # noqa: E402
 
-from server.embedded import embedded_redis  # noqa: E402
+from bench_engine import make_prompts  # noqa: E402
 from common.process import freeze_startup_heap  # noqa: E402
 from common.protocol import ErrorEvent, Job, SamplingParams  # noqa: E402
 from common.settings import Settings, default_model_dir  # noqa: E402
+from loadgen import COLLECT_ROUTE, STREAM_ROUTE, RequestRecord, run_level, summarize, tgi_body  # noqa: E402
+from server.embedded import embedded_redis  # noqa: E402
 from tests.conftest import Stack, free_port, stop_stack, wait_healthy  # noqa: E402
-from worker.transformers_engine import TransformersEngine  # noqa: E402
 from worker.tiny_model import ensure_tiny_model  # noqa: E402
+from worker.transformers_engine import TransformersEngine  # noqa: E402
 
 REQUEST_TIMEOUT = 120.0
 FANOUT_LINKS = 100_000  # MAX_LINK_NUM / MAX_QUEUE_SIZE / the fake worker's MAX_BATCH_SIZE for the fan-out run
@@ -94,7 +94,7 @@ def machine_facts() -> dict[str, Any]:
     meminfo = Path("/proc/meminfo").read_text()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "nproc": os.cpu_count(),
         "cpu_model": next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
                            if line.startswith("model name")), platform.processor()),
@@ -132,8 +132,8 @@ def deploy(
 
     def start(name: str, command: list[str], extra: dict[str, str], cpus: str | None) -> subprocess.Popen[bytes]:
         pin = ["taskset", "-c", cpus] if cpus is not None and shutil.which("taskset") else []
-        log = open(log_dir / f"{name}.log", "wb")
-        proc = subprocess.Popen([*pin, *command], env={**env, **extra}, cwd=ROOT, stdout=log, stderr=log)
+        with open(log_dir / f"{name}.log", "wb") as log:  # the child has its own copy of the descriptor
+            proc = subprocess.Popen([*pin, *command], env={**env, **extra}, cwd=ROOT, stdout=log, stderr=log)
         processes.append(proc)
         return proc
 
@@ -288,7 +288,7 @@ def confined(cpus: list[int]) -> Iterator[None]:
     try:
         yield
     finally:
-        for process, affinity in zip(processes, before):
+        for process, affinity in zip(processes, before, strict=True):
             process.cpu_affinity(affinity)
 
 
@@ -343,7 +343,7 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
 def overhead(load: dict[str, list[dict[str, Any]]], new_tokens: int) -> list[dict[str, Any]]:
     """Served stream minus in-process engine, level by level (p50s; positive: the hop costs that much)."""
     rows = []
-    for served_row, local in zip(load["stream"], load["in_process"]):
+    for served_row, local in zip(load["stream"], load["in_process"], strict=True):
         added_e2e = served_row["e2e_p50_ms"] - local["e2e_p50_ms"]
         rows.append({
             "concurrency": served_row["concurrency"],
@@ -374,8 +374,9 @@ def targets(report: dict[str, Any]) -> list[str]:
         top = max(held, default=0)
         steady = max((row["streams"] for row in report["fanout"] if not row["errors"]
                       and row["steady_itl_p99_ms"] is not None and row["steady_itl_p99_ms"] < ITL_TARGET_MS), default=0)
-        lines.append(f"- one API pod on one core holds 1000 streams with p99 inter-token latency < {ITL_TARGET_MS:g} ms: "
-                     f"**held {top} streams** (largest level measured: {report['fanout'][-1]['streams']}; "
+        lines.append(f"- one API pod on one core holds 1000 streams with p99 inter-token latency "
+                     f"< {ITL_TARGET_MS:g} ms: **held {top} streams** "
+                     f"(largest level measured: {report['fanout'][-1]['streams']}; "
                      f"{steady} once all streams are open), {'met' if top >= 1000 else 'NOT met'}")
     return lines
 
@@ -385,8 +386,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Ferry serving benchmark", "",
         f"Command: `{config['command']}`", "",
-        f"Machine: {facts['nproc']} cores ({facts['cpu_model']}), {facts['ram_gib']} GiB RAM, Python {facts['python']}, "
-        f"torch {facts['torch']}, {facts['date']}, commit {facts['git_commit']}, load average at start "
+        f"Machine: {facts['nproc']} cores ({facts['cpu_model']}), {facts['ram_gib']} GiB RAM, "
+        f"Python {facts['python']}, torch {facts['torch']}, {facts['date']}, commit {facts['git_commit']}, "
+        "load average at start "
         f"{' / '.join(str(x) for x in facts['load_average_at_start'])}.", "",
         f"Workload: tiny model (EOS off), prompts of {config['prompt_tokens']} tokens, {config['new_tokens']} new "
         f"tokens per request (greedy), {config['requests']} requests per level, closed-loop clients; workers "
@@ -402,7 +404,8 @@ def markdown(report: dict[str, Any]) -> str:
                 rows.append([label, row["concurrency"], row["requests"], row["errors"], f"{row['requests_per_s']:.2f}",
                              f"{row['tokens_per_s']:.0f}", *_latency_cells(row, ("ttft", "itl", "e2e"))])
         lines += ["## Load (API -> Redis -> worker -> pub/sub -> API) and the in-process engine", "",
-                  *_table(["path", "concurrency", "requests", "errors", "req/s", "tokens/s", *latency_header], rows), "",
+                  *_table(["path", "concurrency", "requests", "errors", "req/s", "tokens/s", *latency_header],
+                          rows), "",
                   "## Overhead of the queue hop (served stream minus in-process engine, p50s)", "",
                   *_table(["concurrency", "added TTFT", "added ITL", "added e2e", "added e2e per token",
                            "served / in-process tokens/s"],
@@ -419,7 +422,8 @@ def markdown(report: dict[str, Any]) -> str:
                   "but not running (/proc schedstat). Steady ITL: only the gaps after every stream of the level "
                   "has its first token (all streams open at once; this leaves out the burst of opening them).", "",
                   *_table(["streams", "errors", "tokens/s relayed", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99",
-                           "steady ITL p50", "steady ITL p99", "relay lag p50", "relay lag p99", "API CPU % of a core", "API CPU µs per token",
+                           "steady ITL p50", "steady ITL p99", "relay lag p50", "relay lag p99",
+                           "API CPU % of a core", "API CPU µs per token",
                            "API waiting for a core %",
                            "API peak RSS MiB",
                            "fake worker CPU %", "client CPU %"],
@@ -451,7 +455,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig, (rate, ttft) = plt.subplots(1, 2, figsize=(11, 4.2))
     levels = [row["concurrency"] for row in report["load"]["stream"]]
     for (key, label), color in zip((("stream", "served /generate_stream"), ("non_stream", "served /generate"),
-                                    ("in_process", "in-process engine")), ("C0", "C1", "C2")):
+                                    ("in_process", "in-process engine")), ("C0", "C1", "C2"), strict=True):
         rows = report["load"][key]
         rate.plot(levels, [row["tokens_per_s"] for row in rows], marker="o", color=color, label=label)
         if key != "non_stream":

@@ -28,16 +28,15 @@ import torch
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH.parent), str(BENCH)]
 
-from serve_bench import model_without_eos  # noqa: E402
-
-from server.embedded import embedded_redis  # noqa: E402
 from common import keys  # noqa: E402
 from common.process import freeze_startup_heap  # noqa: E402
 from common.protocol import Job, SamplingParams  # noqa: E402
 from common.settings import Settings, default_model_dir  # noqa: E402
-from worker.transformers_engine import TransformersEngine  # noqa: E402
+from serve_bench import model_without_eos  # noqa: E402
+from server.embedded import embedded_redis  # noqa: E402
 from worker.main import WorkerLoop  # noqa: E402
 from worker.tiny_model import ensure_tiny_model  # noqa: E402
+from worker.transformers_engine import TransformersEngine  # noqa: E402
 
 PROMPT_TOKENS = 32
 NEW_TOKENS = 64

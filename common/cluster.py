@@ -30,6 +30,7 @@ class ModelState(BaseModel):
     queue_depth: int = Field(description="jobs queued or running (the XLEN of its job streams, summed)")
     workers: list[WorkerView]
 
+    # computed_field over property: mypy refuses any decorator on a property; pydantic documents this ignore
     @computed_field  # type: ignore[prop-decorator]
     @property
     def pools(self) -> dict[str, int]:
@@ -72,7 +73,7 @@ async def read_model_state(redis: AsyncRedis, model: str, now: float) -> ModelSt
     consumers = [(member.decode() if isinstance(member, bytes) else member, score) for member, score in beats]
     raw = await redis.mget([keys.worker_status(model, consumer) for consumer, _ in consumers]) if consumers else []
     workers = []
-    for (consumer, expires), status in zip(consumers, raw):
+    for (consumer, expires), status in zip(consumers, raw, strict=True):
         try:
             pool, host, pid = keys.parse_consumer_name(consumer)
         except ValueError:
@@ -84,7 +85,7 @@ async def read_model_state(redis: AsyncRedis, model: str, now: float) -> ModelSt
     return ModelState(model=model, queue_depth=sum(depths), workers=workers)
 
 
-def _status(raw: bytes | None) -> WorkerStatus | None:
+def _status(raw: bytes | str | None) -> WorkerStatus | None:
     if raw is None:
         return None
     try:

@@ -16,9 +16,15 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from common.settings import Settings
 
-REDIS_ERRORS: tuple[type[Exception], ...] = (RedisError, RedisClusterException)
+REDIS_ERRORS = (RedisError, RedisClusterException)  # a tuple of known length: mypy checks `except (*REDIS_ERRORS, X)`
 """What a Redis command can raise when Redis or a shard of it is unreachable (redis-py's cluster errors that
 concern the topology, such as a slot no live node covers, are not RedisErrors)."""
+
+def as_text(reply: bytes | str) -> str:
+    """A string reply as text: Ferry's clients get bytes (they do not set ``decode_responses``), which
+    redis-py's types cannot tell from a client's options."""
+    return reply.decode() if isinstance(reply, bytes) else reply
+
 
 SyncRedis = redis.Redis | redis.RedisCluster
 AsyncRedis = redis.asyncio.Redis | redis.asyncio.RedisCluster

@@ -27,9 +27,10 @@ class RequestIdFilter(logging.Filter):
     """Gives every record a ``request_id`` (None when unknown) and the ``request_tag`` of the text form."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if getattr(record, "request_id", None) is None:
-            record.request_id = _REQUEST_ID.get()
-        record.request_tag = f" [{record.request_id}]" if record.request_id else ""
+        request_id = getattr(record, "request_id", None)
+        if request_id is None:
+            request_id = record.request_id = _REQUEST_ID.get()
+        record.request_tag = f" [{request_id}]" if request_id else ""
         return True
 
 
@@ -44,8 +45,8 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
-        if getattr(record, "request_id", None):
-            line["request_id"] = record.request_id
+        if request_id := getattr(record, "request_id", None):
+            line["request_id"] = request_id
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
         return json.dumps(line, ensure_ascii=False, default=str)

@@ -83,7 +83,12 @@ def vllm_env_names() -> frozenset[str] | None:
     except (OSError, SyntaxError):
         return None
     for node in tree.body:
-        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        if isinstance(node, ast.Assign):
+            target = node.targets[0]
+        elif isinstance(node, ast.AnnAssign):
+            target = node.target
+        else:
+            continue
         if isinstance(target, ast.Name) and target.id == "environment_variables" and isinstance(node.value, ast.Dict):
             return frozenset(key.value for key in node.value.keys
                              if isinstance(key, ast.Constant) and isinstance(key.value, str))

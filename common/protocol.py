@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import struct
 import time
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
@@ -211,7 +211,7 @@ class Control(BaseModel):
     action: Literal["cancel", "stop", "unload_adapter", "queued"]
 
 
-Event = Annotated[Union[TokenEvent, ErrorEvent], Field(discriminator="type")]
+Event = Annotated[TokenEvent | ErrorEvent, Field(discriminator="type")]
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 
 

@@ -22,6 +22,7 @@ which the error names all at once.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import logging
@@ -30,8 +31,8 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 import jinja2
 import jinja2.ext
@@ -45,8 +46,6 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from common import mindie_config
-from common.protocol import ADAPTER_NAME_PATTERN
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -54,6 +53,9 @@ from pydantic_settings import (
     PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
+
+from common import mindie_config
+from common.protocol import ADAPTER_NAME_PATTERN
 
 EngineName = Literal["transformers", "vllm"]
 # The vllm.EngineArgs fields whose product is the devices one vLLM worker runs its model on (vLLM's world size).
@@ -114,7 +116,9 @@ class GenerationBlock(jinja2.ext.Extension):
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.CallBlock:
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+        block = jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body)
+        block.set_lineno(lineno)
+        return block
 
     def _render(self, caller: Callable[[], str]) -> str:
         return caller()
@@ -161,9 +165,9 @@ def _setting_keys() -> dict[str, tuple[str | None, str, str]]:
     for name, field in Settings.model_fields.items():
         extra = field.json_schema_extra
         assert isinstance(field.validation_alias, AliasChoices) and isinstance(extra, dict)
-        key = field.validation_alias.choices[0]
-        assert isinstance(key, str)
-        result[key] = (extra["section"], str(extra["env"]), name)
+        key, section = field.validation_alias.choices[0], extra["section"]
+        assert isinstance(key, str) and (section is None or isinstance(section, str))
+        result[key] = (section, str(extra["env"]), name)
     return result
 
 
@@ -209,6 +213,39 @@ def _model_entries(value: Any, dotted: str, refused: list[str], model_wide: list
     return entries
 
 
+@dataclasses.dataclass
+class _SectionWalk:
+    """The walk of :func:`flatten_config` over the sections of a config file: the settings found (``flat``),
+    the keys at fault (``errors``), the MindIE keys Ferry does not implement (``refused``) and the per-model
+    MindIE keys that are one Ferry setting (``model_wide``)."""
+
+    keys: dict[str, tuple[str | None, str, str]]
+    flat: dict[str, Any] = dataclasses.field(default_factory=dict)
+    errors: list[str] = dataclasses.field(default_factory=list)
+    refused: list[str] = dataclasses.field(default_factory=list)
+    model_wide: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
+
+    def walk(self, node: dict[str, Any], path: tuple[str, ...]) -> None:
+        sections = {p[len(path)]: p for p in SECTION_PATHS.values() if len(p) > len(path) and p[: len(path)] == path}
+        here = next((s for s, p in SECTION_PATHS.items() if p == path), None)
+        fields = [key for key, (section, _, _) in self.keys.items() if here is not None and section == here]
+        for key, value in node.items():
+            dotted = ".".join((*path, key))
+            if key in sections:
+                if isinstance(value, dict):
+                    self.walk(value, (*path, key))
+                else:
+                    self.errors.append(f"`{dotted}` must be a JSON object")
+            elif key == "ModelConfig" and key in fields:
+                self.flat[key] = _model_entries(value, dotted, self.refused, self.model_wide)
+            elif key in fields:
+                self.flat[key] = value
+            elif key in mindie_config.REFUSED.get(here or "", ()):
+                self.refused.append(mindie_config.refused_key(dotted, key))
+            elif key not in mindie_config.IGNORED.get(here or "", ()):
+                self.errors.append(_unknown(dotted, key, [*fields, *sections]))
+
+
 def flatten_config(data: Any) -> dict[str, Any]:
     """The config file's settings as one flat object of camelCase keys. Raises :class:`ConfigError` naming
     every key at fault at once: unknown or in the wrong section (with a did-you-mean hint), a section that is
@@ -223,32 +260,9 @@ def flatten_config(data: Any) -> dict[str, Any]:
             if key not in keys:
                 raise ConfigError(_unknown(key, key, list(keys)))
         return dict(data)
-    flat: dict[str, Any] = {}
-    errors: list[str] = []
-    refused: list[str] = []
-    model_wide: list[tuple[str, Any]] = []
-
-    def walk(node: dict[str, Any], path: tuple[str, ...]) -> None:
-        sections = {p[len(path)]: p for p in SECTION_PATHS.values() if len(p) > len(path) and p[: len(path)] == path}
-        here = next((s for s, p in SECTION_PATHS.items() if p == path), None)
-        fields = [key for key, (section, _, _) in keys.items() if here is not None and section == here]
-        for key, value in node.items():
-            dotted = ".".join((*path, key))
-            if key in sections:
-                if isinstance(value, dict):
-                    walk(value, (*path, key))
-                else:
-                    errors.append(f"`{dotted}` must be a JSON object")
-            elif key == "ModelConfig" and key in fields:
-                flat[key] = _model_entries(value, dotted, refused, model_wide)
-            elif key in fields:
-                flat[key] = value
-            elif key in mindie_config.REFUSED.get(here or "", ()):
-                refused.append(mindie_config.refused_key(dotted, key))
-            elif key not in mindie_config.IGNORED.get(here or "", ()):
-                errors.append(_unknown(dotted, key, [*fields, *sections]))
-
-    walk(data, ())
+    found = _SectionWalk(keys)
+    found.walk(data, ())
+    flat, errors, refused, model_wide = found.flat, found.errors, found.refused, found.model_wide
     if model_wide:  # MindIE sets trustRemoteCode per model; Ferry's is one setting (BackendConfig)
         given = [value for _, value in model_wide] + ([flat["trustRemoteCode"]] if "trustRemoteCode" in flat else [])
         if any(value != given[0] for value in given):
@@ -264,7 +278,7 @@ def flatten_config(data: Any) -> dict[str, Any]:
     return flat
 
 
-def effective_config(settings: "Settings") -> dict[str, Any]:
+def effective_config(settings: Settings) -> dict[str, Any]:
     """The settings in the config file's nested layout (the inverse of :func:`flatten_config`), without
     secrets: no ``apiKeys``, the Redis password masked in ``redisUrl``. The served models are ``ModelConfig``
     (the default one first), so the flat-only ``modelName`` / ``modelWeightPath`` are not repeated."""
@@ -374,7 +388,8 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", **_spec("ServerConfig", "ipAddress", "HOST"))
     port: int = Field(8080, ge=1, le=65535, **_spec("ServerConfig", "port", "PORT"))
     https_enabled: bool = Field(False, **_spec("ServerConfig", "httpsEnabled", "HTTPS_ENABLED"))
-    tls_cert: Path | None = Field(None, description="PEM certificate (chain)", **_spec("ServerConfig", "tlsCert", "TLS_CERT"))
+    tls_cert: Path | None = Field(None, description="PEM certificate (chain)",
+                                  **_spec("ServerConfig", "tlsCert", "TLS_CERT"))
     tls_pk: Path | None = Field(None, description="PEM private key", **_spec("ServerConfig", "tlsPk", "TLS_PK"))
     tls_ca_certs: Path | None = Field(
         None, description="PEM CA bundle: when set, clients must present a certificate it signed (mutual TLS)",
@@ -507,7 +522,9 @@ class Settings(BaseSettings):
         **_spec("BackendConfig", "vllmEngineArgs", "VLLM_ENGINE_ARGS"),
     )
     device: str = Field("cpu", **_spec("BackendConfig", "device", "DEVICE"))
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("float32", **_spec("BackendConfig", "dtype", "DTYPE"))
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "float32", **_spec("BackendConfig", "dtype", "DTYPE")
+    )
     max_batch_size: int = Field(32, gt=0, **_spec("ScheduleConfig", "maxBatchSize", "MAX_BATCH_SIZE"))
     max_prefill_tokens: int = Field(
         8192, gt=0, **_spec("ScheduleConfig", "maxPrefillTokens", "MAX_PREFILL_TOKENS", "MAX_BATCH_PREFILL_TOKENS")
@@ -602,7 +619,9 @@ class Settings(BaseSettings):
         """ALLOWED_MEDIA_DOMAINS_ENV is comma separated (the seed's form); hosts compare case-insensitively."""
         if isinstance(value, str):
             value = value.split(",")
-        return [host.strip().lower().rstrip(".") for host in value if host.strip()] if isinstance(value, list) else value
+        if not isinstance(value, list):
+            return value
+        return [host.strip().lower().rstrip(".") for host in value if host.strip()]
 
     @field_validator("models", mode="before")
     @classmethod
@@ -611,11 +630,25 @@ class Settings(BaseSettings):
         return json.loads(value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
-    def _consistent(self) -> "Settings":
+    def _consistent(self) -> Settings:
+        """The defaults that follow from other settings, then the checks across settings, in this order."""
         if self.max_input_token_len >= self.max_seq_len:
             self.max_input_token_len = self.max_seq_len - 1
         if self.max_prefill_batch_size == 0:
             self.max_prefill_batch_size = self.max_batch_size
+        self._pick_model()
+        for key in VLLM_PARALLEL_ARGS:
+            size = self.vllm_engine_args.get(key, 1)
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"vllmEngineArgs.{key} must be a positive integer. Given: {size!r}")
+        if "{" in self.served_model_name or "}" in self.served_model_name:  # braces are Redis hash tags (common.keys)
+            raise ValueError(f"the model name `{self.served_model_name}` must not contain braces")
+        self._check_listeners()
+        self._check_redis_tls()
+        return self
+
+    def _pick_model(self) -> None:
+        """With ModelConfig and no modelWeightPath: the model named by modelName (the first by default)."""
         names = [entry.name for entry in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"ModelConfig: modelName values must be unique. Given: {names}")
@@ -624,12 +657,9 @@ class Settings(BaseSettings):
             if name not in names:
                 raise ValueError(f"modelName `{name}` (MODEL_NAME / --model-name) is not in ModelConfig: {names}")
             self.model_name, self.model_path = name, self.models[names.index(name)].path
-        for key in VLLM_PARALLEL_ARGS:
-            size = self.vllm_engine_args.get(key, 1)
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ValueError(f"vllmEngineArgs.{key} must be a positive integer. Given: {size!r}")
-        if "{" in self.served_model_name or "}" in self.served_model_name:  # braces are Redis hash tags (common.keys)
-            raise ValueError(f"the model name `{self.served_model_name}` must not contain braces")
+
+    def _check_listeners(self) -> None:
+        """HTTPS and its files, the management address and the all-zero addresses."""
         if self.https_enabled:
             for key, path in (("tlsCert", self.tls_cert), ("tlsPk", self.tls_pk)):
                 if path is None:
@@ -646,17 +676,19 @@ class Settings(BaseSettings):
             for key, host in (("ipAddress", self.host), ("managementIpAddress", self.management_host)):
                 if host in ("0.0.0.0", "::"):
                     raise ValueError(f"{key} {host} listens on every interface: allowAllZeroIpListening is false")
+
+    def _check_redis_tls(self) -> None:
+        """Redis TLS files: a rediss:// URL, a certificate with its key, files that exist."""
         redis_tls = {"redisTlsCaCerts": self.redis_tls_ca_certs, "redisTlsCert": self.redis_tls_cert,
                      "redisTlsKey": self.redis_tls_key}
-        given = [key for key, path in redis_tls.items() if path is not None]
+        given = {key: path for key, path in redis_tls.items() if path is not None}
         if given and not self.redis_url.startswith("rediss://"):
             raise ValueError(f"{', '.join(given)} need a rediss:// redisUrl (Redis over TLS)")
         if (self.redis_tls_cert is None) != (self.redis_tls_key is None):
             raise ValueError("redisTlsCert and redisTlsKey go together")
-        for key in given:
-            if not redis_tls[key].is_file():
-                raise ValueError(f"{key}: no such file {redis_tls[key]}")
-        return self
+        for key, path in given.items():
+            if not path.is_file():
+                raise ValueError(f"{key}: no such file {path}")
 
     @property
     def listeners(self) -> dict[tuple[str, int], frozenset[str]]:

@@ -115,7 +115,7 @@ def embedded_redis(kind: str = "auto", port: int | None = None) -> Iterator[str]
                          f"{exc.strerror}") from None
     thread = threading.Thread(target=server.serve_forever, name="fakeredis", daemon=True)
     thread.start()
-    host, port = server.server_address[:2]
+    host, port = "127.0.0.1", server.server_address[1]  # the port the system chose when given 0
     try:
         log.info("embedded fakeredis on redis://%s:%s/0", host, port)
         yield f"redis://{host}:{port}/0"
@@ -137,14 +137,14 @@ class WorkerProcesses:
         self._stopping = threading.Event()
         self.failure: str | None = None
 
-    def __enter__(self) -> "WorkerProcesses":
+    def __enter__(self) -> WorkerProcesses:
         self._procs = [child_process([sys.executable, "-m", "worker.main"], env=env) for env in self._envs]
         threading.Thread(target=self._watch, name="worker-watch", daemon=True).start()
         return self
 
     def _watch(self) -> None:
         while not self._stopping.wait(WATCH_INTERVAL_SECONDS):
-            for env, proc in zip(self._envs, self._procs):
+            for env, proc in zip(self._envs, self._procs, strict=True):
                 # poll first: an exit seen after the stop began is one the stop caused
                 if (code := proc.poll()) is not None and not self._stopping.is_set():
                     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
@@ -182,7 +182,7 @@ def serve_all(settings: Settings, given: dict[str, Any], redis_url: str | None, 
         envs = [settings_env(os.environ, {**given, "redis_url": redis_url, "model_path": entry.path,
                                           "model_name": entry.name, "engine": settings.engine,
                                           **({"cpu_threads_bind": bind} if bind else {})})
-                for entry, bind in zip(models, binds)]
+                for entry, bind in zip(models, binds, strict=True)]
         with WorkerProcesses(envs, settings.shutdown_grace_seconds, stop_server) as procs:
             run_server(server)
         return procs.failure

@@ -168,11 +168,12 @@ def start_stack(
         **(extra_env or {}),
     }
     processes = []
+    # each log is closed here once its child has its own copy of the descriptor
     for i in range(workers):
-        log = open(log_dir / f"worker{i}.log", "wb")
-        processes.append(subprocess.Popen([sys.executable, "-m", "worker.main"], env=env, stdout=log, stderr=log))
-    log = open(log_dir / "api.log", "wb")
-    processes.append(subprocess.Popen([sys.executable, "-m", "api.main"], env=env, stdout=log, stderr=log))
+        with open(log_dir / f"worker{i}.log", "wb") as log:
+            processes.append(subprocess.Popen([sys.executable, "-m", "worker.main"], env=env, stdout=log, stderr=log))
+    with open(log_dir / "api.log", "wb") as log:
+        processes.append(subprocess.Popen([sys.executable, "-m", "api.main"], env=env, stdout=log, stderr=log))
     base_url = f"http://127.0.0.1:{port}"
     stack = Stack(base_url, model_name, redis_url, env, processes)
     try:

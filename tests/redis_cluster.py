@@ -41,14 +41,15 @@ class ThreeMasters:
     def start(self, port: int) -> None:
         folder = self.workdir / str(port)
         folder.mkdir(exist_ok=True)
-        self.procs[port] = subprocess.Popen(
-            [shutil.which("redis-server") or "redis-server", "--bind", "127.0.0.1", "--port", str(port),
-             "--cluster-enabled", "yes", "--cluster-port", str(self.bus_ports[self.ports.index(port)]),
-             "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000",
-             "--cluster-require-full-coverage", "no", "--save", "", "--appendonly", "no", "--dir", str(folder),
-             "--user", "ferry", "on", f">{PASSWORD}", *keys.ACL_RULES.split()],
-            stdout=open(folder / "redis.log", "ab"), stderr=subprocess.STDOUT,
-        )
+        with open(folder / "redis.log", "ab") as log:  # the child has its own copy of the descriptor
+            self.procs[port] = subprocess.Popen(
+                [shutil.which("redis-server") or "redis-server", "--bind", "127.0.0.1", "--port", str(port),
+                 "--cluster-enabled", "yes", "--cluster-port", str(self.bus_ports[self.ports.index(port)]),
+                 "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000",
+                 "--cluster-require-full-coverage", "no", "--save", "", "--appendonly", "no", "--dir", str(folder),
+                 "--user", "ferry", "on", f">{PASSWORD}", *keys.ACL_RULES.split()],
+                stdout=log, stderr=subprocess.STDOUT,
+            )
         node = redis.Redis(port=port)
         wait_for(lambda: self._answers(node), 10, f"redis-server on {port}")
 

@@ -10,13 +10,13 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
 import fakeredis
 import pytest
-import tomllib
 import uvicorn
 import yaml
 

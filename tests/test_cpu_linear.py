@@ -98,7 +98,7 @@ def test_a_group_gives_each_member_its_own_output(bias: bool) -> None:
         outputs = [third(x), first(x), second(y), second(y), first(x)]  # any order, other inputs, repeats
         expected = [_reference(third, x), _reference(first, x), _reference(second, y), _reference(second, y),
                     _reference(first, x)]
-    for output, want in zip(outputs, expected):
+    for output, want in zip(outputs, expected, strict=True):
         assert output.is_contiguous()
         torch.testing.assert_close(output, want, atol=1e-5, rtol=1e-5)
 

@@ -140,9 +140,9 @@ def test_ferry_server_counts_other_workers_of_the_host_when_told(nine_cores: set
 
 
 def test_ferry_server_refuses_a_count_below_its_own_workers(nine_cores: set[int]) -> None:
-    with pytest.raises(ValueError, match="cpuWorkersPerHost 1 counts fewer CPU workers than the 2"):
-        with launched_worker_cores(Settings(cpu_workers_per_host=1), ["a", "a"]):
-            pass
+    with (pytest.raises(ValueError, match="cpuWorkersPerHost 1 counts fewer CPU workers than the 2"),
+          launched_worker_cores(Settings(cpu_workers_per_host=1), ["a", "a"])):
+        pass
 
 
 @pytest.mark.parametrize("settings", [{"cpu_threads_bind": "nobind"}, {"cpu_threads_bind": "0-1"},

@@ -36,10 +36,10 @@ def run_server(tmp_path: Path, tiny_model_path: Path, *args: str,
     # The tiny model is made on first start when missing; reuse the session's copy to save time.
     (tmp_path / "home").mkdir()
     shutil.copytree(tiny_model_path, tmp_path / "home" / "tiny-llama")
-    log = open(tmp_path / "server.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "server.embedded", "--port", str(port), *args], env=env, stdout=log, stderr=log
-    )
+    with open(tmp_path / "server.log", "wb") as log:  # the child has its own copy of the descriptor
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "server.embedded", "--port", str(port), *args], env=env, stdout=log, stderr=log
+        )
     return proc, f"http://127.0.0.1:{port}"
 
 

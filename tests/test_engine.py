@@ -123,7 +123,7 @@ def test_greedy_batch_matches_generate_alone(model, served, tokenizer, prompts, 
         served = AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation=attention).eval()
     engine = make_engine(served, tokenizer, max_prefill_batch_size=3)
     lengths = [12, 30, 7, 25, 18, 3, 40, 22]
-    jobs = [make_job(ids, max_new_tokens=n) for ids, n in zip(prompts, lengths)]
+    jobs = [make_job(ids, max_new_tokens=n) for ids, n in zip(prompts, lengths, strict=True)]
     arrivals = {0: jobs[:4], 2: jobs[4:6], 5: jobs[6:7], 9: jobs[7:]}
     events = run(engine, arrivals)
     for job in jobs:

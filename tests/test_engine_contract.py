@@ -105,21 +105,23 @@ def transformers_references(path: Path, prompts: list[list[int]]) -> list[Refere
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     eos = set(model.generation_config.eos_token_id)
     references = []
-    for prompt, length in zip(prompts, LENGTHS):
+    for prompt, length in zip(prompts, LENGTHS, strict=True):
         ids = torch.tensor([prompt])
         out = model.generate(
             ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=length,
             output_logits=True, return_dict_in_generate=True,
         )
         tokens = out.sequences[0, len(prompt) :].tolist()
-        logprobs = [step[0].float().log_softmax(-1)[token].item() for step, token in zip(out.logits, tokens)]
+        logprobs = [step[0].float().log_softmax(-1)[token].item()
+                    for step, token in zip(out.logits, tokens, strict=True)]
         references.append(Reference(tokens, logprobs, tokens[-1] in eos))
     return references
 
 
 def vllm_references(path: Path, prompts: list[list[int]]) -> list[Reference]:
     """vLLM's offline ``LLM.generate``, in this process, shut down before the engine under test starts."""
-    from vllm import LLM, SamplingParams as VllmSamplingParams, TokensPrompt
+    from vllm import LLM, TokensPrompt
+    from vllm import SamplingParams as VllmSamplingParams
 
     llm = LLM(model=str(path), dtype="float32", seed=0, kv_cache_memory_bytes=2**30, **VLLM_ARGS)
     try:
@@ -129,7 +131,7 @@ def vllm_references(path: Path, prompts: list[list[int]]) -> list[Reference]:
         for output in outputs:
             completion = output.outputs[0]
             tokens = list(completion.token_ids)
-            logprobs = [entry[token].logprob for entry, token in zip(completion.logprobs, tokens)]
+            logprobs = [entry[token].logprob for entry, token in zip(completion.logprobs, tokens, strict=True)]
             references.append(Reference(tokens, logprobs, completion.finish_reason == "stop"))
         return references
     finally:
@@ -227,9 +229,9 @@ def token_ids(stream: list[TokenEvent]) -> list[int]:
 
 def test_greedy_batches_equal_the_reference(subject: EngineUnderTest, prompts, tokenizer) -> None:
     """Requests joining at steps 0/2/5/9 and leaving at their own lengths: each equals its reference."""
-    jobs = [make_job(ids, max_new_tokens=n) for ids, n in zip(prompts, LENGTHS)]
+    jobs = [make_job(ids, max_new_tokens=n) for ids, n in zip(prompts, LENGTHS, strict=True)]
     events = run(subject.engine, {0: jobs[:4], 2: jobs[4:6], 5: jobs[6:7], 9: jobs[7:]})
-    for job, reference in zip(jobs, subject.references):
+    for job, reference in zip(jobs, subject.references, strict=True):
         stream = events[job.request_id]
         finish = stream[-1].finish
         assert token_ids(stream) == reference.ids
@@ -324,7 +326,7 @@ def test_cancel_drops_queued_and_running_requests(subject: EngineUnderTest, prom
     run(engine, {}, events)
     assert engine.idle
     assert cancelled <= 2 and jobs[1].request_id not in events and late.request_id not in events
-    for job, i in zip((jobs[0], jobs[2]), (0, 3)):
+    for job, i in zip((jobs[0], jobs[2]), (0, 3), strict=True):
         assert token_ids(events[job.request_id]) == subject.references[i].ids
 
 

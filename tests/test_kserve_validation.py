@@ -168,7 +168,8 @@ def nothing_is_queued(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def token_events(result: GenerationResult) -> list[TokenEvent]:
     last = len(result.tokens) - 1
-    return [TokenEvent(index=i, token=t, finish=result.finish if i == last else None) for i, t in enumerate(result.tokens)]
+    return [TokenEvent(index=i, token=t, finish=result.finish if i == last else None)
+            for i, t in enumerate(result.tokens)]
 
 
 @pytest.fixture

@@ -20,10 +20,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from common.protocol import SamplingParams
+from tests.conftest import free_port, start_stack, stop_stack
 from worker.attention import use_padded_attention
 from worker.batch import DecodeBatch, ForwardArgs
 from worker.cpu_linear import use_packed_linear
-from tests.conftest import free_port, start_stack, stop_stack
 from worker.llama_step import LlamaStep
 
 SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

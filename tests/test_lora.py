@@ -18,13 +18,13 @@ import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from openai import NotFoundError, OpenAI
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from api.adapters import allowed_folder
 from api.app import create_app
 from common.settings import Settings, load_settings
+from openai import NotFoundError, OpenAI
 from tests.conftest import Stack, start_stack, stop_stack
 from tests.sse import sse_data
 from tests.test_engine_contract import VLLM_ARGS, require_vllm
@@ -206,14 +206,16 @@ def test_load_use_unload_and_reuse_at_run_time(lora_stack: Stack, adapters: dict
     with pytest.raises(NotFoundError) as caught:
         client.completions.create(model="b", prompt=PROMPT, max_tokens=NEW_TOKENS)
     assert caught.value.code == "model_not_found" and caught.value.param == "model"
-    assert post(lora_stack, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": str(adapters["a"])}).status_code == 200
+    resp = post(lora_stack, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": str(adapters["a"])})
+    assert resp.status_code == 200, resp.text
     assert all(token_ids(resp) == reference(adapters["a"]) for resp in asyncio.run(many("b", 8)))
     assert post(lora_stack, "/v1/unload_lora_adapter", {"lora_name": "b"}).status_code == 200
 
 
 def test_unload_lets_running_requests_finish(lora_stack: Stack, adapters: dict[str, Path]) -> None:
     """An adapter unloaded while a request streams with it: the stream runs to its end with the adapter."""
-    assert post(lora_stack, "/v1/load_lora_adapter", {"lora_name": "c", "lora_path": str(adapters["b"])}).status_code == 200
+    resp = post(lora_stack, "/v1/load_lora_adapter", {"lora_name": "c", "lora_path": str(adapters["b"])})
+    assert resp.status_code == 200, resp.text
     body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 300, "adapter_id": "c", "details": True}}
     with httpx.stream("POST", f"{lora_stack.base_url}/generate_stream", json=body, timeout=60) as stream:
         lines = stream.iter_lines()

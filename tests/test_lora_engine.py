@@ -123,7 +123,8 @@ def test_an_adapter_generates_what_its_merged_model_does(
         assert adapted != base  # else nothing here would show the adapter reaching the model
         assert alone(engine, adapter_job(prompt, ("a", adapters["a"]))) == adapted
         assert alone(engine, adapter_job(prompt, None)) == base
-    if isinstance(engine, TransformersEngine):  # peft wrapped the oneDNN-packed linear layers, and runs them as they are
+    # peft wrapped the oneDNN-packed linear layers, and runs them as they are
+    if isinstance(engine, TransformersEngine):
         layers = lora_layers(engine)
         assert layers and all(isinstance(layer.get_base_layer(), PackedLinear) for layer in layers)
 

@@ -10,6 +10,7 @@ that dials the local server whenever the loader connects to the public test addr
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import os
 import threading
@@ -110,10 +111,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Length", "100")  # then sends more than 40 MB
         self.end_headers()
-        try:
+        with contextlib.suppress(OSError):
             self.wfile.write(PNG + bytes(41 * MB))
-        except OSError:
-            pass
 
     def _claims_big(self) -> None:
         self.send_response(200)

@@ -17,8 +17,8 @@ from common import keys
 from common.protocol import Job, SamplingParams, TokenEvent, WorkerStatus, decode_event
 from common.settings import Settings
 from tests.conftest import Stack, free_port
-from worker.transformers_engine import TransformersEngine
 from worker.main import WorkerLoop
+from worker.transformers_engine import TransformersEngine
 
 TGI_HEADERS = ("x-compute-time", "x-total-time", "x-queue-time", "x-inference-time", "x-time-per-token")
 

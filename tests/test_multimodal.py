@@ -21,7 +21,6 @@ import pytest
 import redis
 import torch
 from fastapi.testclient import TestClient
-from openai import BadRequestError, OpenAI
 from transformers import AutoProcessor, AutoTokenizer, LlavaForConditionalGeneration
 
 from api.app import create_app
@@ -29,6 +28,7 @@ from common import keys
 from common.images import ImageRefused, open_image
 from common.protocol import Job, MediaRef, SamplingParams
 from common.settings import Settings
+from openai import BadRequestError, OpenAI
 from tests.conftest import Stack, start_stack, stop_stack
 from tests.sse import sse_data
 from worker.engine import RequestRefused
@@ -154,7 +154,8 @@ def test_a_base64_jpeg_and_two_images_in_one_prompt(vlm_stack: Stack, media_dir:
 def test_an_image_url_object_is_the_same_item(vlm_stack: Stack) -> None:
     """OpenAI's ``{"url": ...}`` form of an item's source is taken as the seed's plain string."""
     plain = generate(vlm_stack, items(TEXT, "test.png"))
-    wrapped = generate(vlm_stack, [{"type": "text", "text": TEXT}, {"type": "image_url", "image_url": {"url": "test.png"}}])
+    wrapped = generate(vlm_stack, [{"type": "text", "text": TEXT},
+                                   {"type": "image_url", "image_url": {"url": "test.png"}}])
     assert plain.status_code == wrapped.status_code == 200, wrapped.text
     assert plain.json()["generated_text"] == wrapped.json()["generated_text"]
 
@@ -180,7 +181,7 @@ def test_a_mixed_batch_equals_each_request_alone(vlm_stack: Stack, reference) ->
             return await asyncio.gather(*(client.post("/generate", json={
                 "inputs": inputs, "parameters": {"max_new_tokens": 8, "details": True}}) for inputs, _, _ in cases))
 
-    for resp, want in zip(asyncio.run(run()), expected):
+    for resp, want in zip(asyncio.run(run()), expected, strict=True):
         assert resp.status_code == 200, resp.text
         assert [token["id"] for token in resp.json()["details"]["tokens"]] == want
 
@@ -225,7 +226,8 @@ def test_media_leave_redis_with_their_request(vlm_stack: Stack) -> None:
     (items(f"two {IMAGE_TOKEN} placeholders", "test.png"), "holds 2 image placeholder tokens (<image>) for 1"),
     (items(TEXT, "broken.png"), "`inputs[1]` (image_url): the item cannot be decoded as an image"),
     (items(TEXT, "truncated.png"), "media item 0 cannot be decoded as an image"),  # the worker's refusal
-    ([{"type": "image_url", "image_url": "test.png", "detail": "high"}], "`inputs.0.image_url.detail` is not a supported"),
+    ([{"type": "image_url", "image_url": "test.png", "detail": "high"}],
+     "`inputs.0.image_url.detail` is not a supported"),
     ([{"type": "picture", "url": "test.png"}], "does not match any of the expected tags"),
     ([], "`inputs`: List should have at least 1 item"),
     ([{"type": "text", "text": "a\ud800"}], "unable to parse raw data as a unicode string"),

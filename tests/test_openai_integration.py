@@ -12,12 +12,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 from huggingface_hub import InferenceClient
-from openai import AsyncOpenAI, OpenAI
 from transformers import AutoTokenizer
 
+import openai
+from openai import AsyncOpenAI, OpenAI
 from tests.conftest import CHAT_TEMPLATE, Stack, start_stack, stop_stack
 
 PROMPT = "def main("

@@ -587,7 +587,8 @@ async def test_completion_parameters(ctx: ServerContext, fields: dict[str, Any],
 
 @pytest.mark.parametrize("prompt", [PROMPT, [PROMPT]])
 async def test_text_prompt_forms(ctx: ServerContext, prompt: Any) -> None:
-    assert (await resolve_completion(ctx, prompt=prompt)).input_ids == AutoTokenizer.from_pretrained(ctx.model.path)(PROMPT)["input_ids"]
+    expected = AutoTokenizer.from_pretrained(ctx.model.path)(PROMPT)["input_ids"]
+    assert (await resolve_completion(ctx, prompt=prompt)).input_ids == expected
 
 
 @pytest.mark.parametrize("prompt", [[1, 396, 0], [[1, 396, 0]]])

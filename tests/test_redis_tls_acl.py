@@ -54,14 +54,16 @@ def secure_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureRed
     server = make_cert(directory, "redis-server", issuer=ca, server=True)
     client = make_cert(directory, "redis-client", issuer=ca)
     port = free_port()
-    proc = subprocess.Popen(
-        [binary, "--bind", "127.0.0.1", "--port", "0", "--tls-port", str(port), "--tls-cert-file", str(server.cert),
-         "--tls-key-file", str(server.key), "--tls-ca-cert-file", str(ca.cert), "--tls-auth-clients", "yes",
-         "--save", "", "--appendonly", "no", "--dir", str(directory),
-         "--user", "default", "off", "--user", "admin", "on", f">{PASSWORD}", "~*", "&*", "+@all",
-         "--user", "ferry", "on", f">{PASSWORD}", *keys.ACL_RULES.split()],
-        stdout=open(directory / "redis.log", "wb"), stderr=subprocess.STDOUT,
-    )
+    with open(directory / "redis.log", "wb") as log:  # the child has its own copy of the descriptor
+        proc = subprocess.Popen(
+            [binary, "--bind", "127.0.0.1", "--port", "0", "--tls-port", str(port),
+             "--tls-cert-file", str(server.cert), "--tls-key-file", str(server.key),
+             "--tls-ca-cert-file", str(ca.cert), "--tls-auth-clients", "yes",
+             "--save", "", "--appendonly", "no", "--dir", str(directory),
+             "--user", "default", "off", "--user", "admin", "on", f">{PASSWORD}", "~*", "&*", "+@all",
+             "--user", "ferry", "on", f">{PASSWORD}", *keys.ACL_RULES.split()],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
     secure = SecureRedis(f"rediss://ferry:{PASSWORD}@127.0.0.1:{port}/0", ca, client)
     deadline = time.monotonic() + 10
     while True:

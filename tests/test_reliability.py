@@ -13,6 +13,7 @@ Three layers, cheapest first:
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import shutil
@@ -51,8 +52,8 @@ from common.protocol import (
 from common.settings import Settings
 from tests.conftest import Stack, free_port, start_stack, stop_stack, wait_for
 from tests.fakes import one_token_submit, patch_submit
-from worker.transformers_engine import TransformersEngine
 from worker.main import WorkerLoop
+from worker.transformers_engine import TransformersEngine
 
 PROMPT = "def main("
 
@@ -70,7 +71,8 @@ def base_engine(tiny_model_path: Path) -> TransformersEngine:
 def make_loop(engine: TransformersEngine, server: fakeredis.FakeServer, consumer: str, **settings: Any) -> WorkerLoop:
     """A worker with a fresh engine over the shared model (a new worker process, as far as Redis knows)."""
     config = Settings(model_path=engine.settings.model_path, model_name="m", **settings)
-    loop = WorkerLoop(config, fakeredis.FakeRedis(server=server), TransformersEngine(engine.model, engine.tokenizer, config))
+    loop = WorkerLoop(config, fakeredis.FakeRedis(server=server),
+                      TransformersEngine(engine.model, engine.tokenizer, config))
     loop.consumer = consumer
     loop.connect()
     return loop
@@ -303,7 +305,9 @@ def test_running_job_is_dropped_at_its_deadline(base_engine: TransformersEngine)
 
 
 
-def test_a_wall_clock_step_does_not_expire_a_running_job(base_engine: TransformersEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_wall_clock_step_does_not_expire_a_running_job(
+    base_engine: TransformersEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The worker reads the wall clock once, when it accepts a job; an NTP step or a resumed VM after that
     moves no deadline (a CI run once saw a request time out before its e2eTimeout)."""
     server = fakeredis.FakeServer()
@@ -542,8 +546,8 @@ class RedisServer:
 class Cluster:
     """A stack (workers and the main API pod) of one model plus extra API pods, over a private Redis.
 
-    ``main``: the stack's pod (maxQueueSize 8, shutdownGraceSeconds 10, maxIterTimes 2000). ``strict``: the same model with
-    e2eTimeout 1.5 s. ``idle``: a model no worker serves, with tokenTimeout 3 s, maxLinkNum 3,
+    ``main``: the stack's pod (maxQueueSize 8, shutdownGraceSeconds 10, maxIterTimes 2000). ``strict``: the same
+    model with e2eTimeout 1.5 s. ``idle``: a model no worker serves, with tokenTimeout 3 s, maxLinkNum 3,
     maxQueueSize 4. Tests that kill or stop processes put back what the next test needs.
     """
 
@@ -570,8 +574,8 @@ class Cluster:
         return self.stack.model_name
 
     def _spawn(self, module: str, name: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
-        log = open(self.log_dir / f"{name}.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", module], env=env, stdout=log, stderr=log)
+        with open(self.log_dir / f"{name}.log", "ab") as log:  # the child has its own copy of the descriptor
+            proc = subprocess.Popen([sys.executable, "-m", module], env=env, stdout=log, stderr=log)
         self.stack.processes.insert(0 if module == "worker.main" else len(self.stack.processes), proc)
         return proc
 
@@ -1130,7 +1134,7 @@ def test_redis_restart_fails_in_flight_requests_then_service_resumes(cluster: Cl
             return False
 
     for url in (cluster.main_url, cluster.pod("strict")):  # every pod's relay, and the worker, reconnect
-        wait_for(lambda: served(url), 30, f"{url} to serve again", 0.5)
+        wait_for(functools.partial(served, url), 30, f"{url} to serve again", 0.5)
     print(f"\nserved again {time.monotonic() - restarted:.1f} s after Redis restarted")
     reference = uninterrupted(cluster, 16)
     events = SSE(f"{cluster.main_url}/generate_stream", body(16), "redis-2").rest()

@@ -22,7 +22,7 @@ def sampler(n: int = 1, **params: object) -> BatchSampler:
 def draws(**params: object) -> tuple[set[int], dict[int, float]]:
     """Sample 200 rows (seeds 0..199) once; return the ids seen and the logprob reported for each."""
     ids, logprobs = sampler(200, **params)(LOGITS.expand(200, -1))
-    return set(ids.tolist()), dict(zip(ids.tolist(), logprobs.tolist()))
+    return set(ids.tolist()), dict(zip(ids.tolist(), logprobs.tolist(), strict=True))
 
 
 def test_greedy_takes_argmax_with_its_logprob() -> None:

@@ -24,8 +24,8 @@ import redis
 import torch
 from transformers import AutoConfig
 
-import server.embedded
 import api.main
+import server.embedded
 import worker.main
 from common import keys
 from common.model_files import ModelUnavailable, model_file

@@ -159,7 +159,7 @@ async def test_concurrent_requests_get_their_own_tokens(stack: Stack, reference)
             return [t["id"] for t in resp.json()["details"]["tokens"]]
 
         results = await asyncio.gather(*(one(p, 4 + i % 7) for i, p in enumerate(prompts)))
-    for i, (prompt, tokens) in enumerate(zip(prompts, results)):
+    for i, (prompt, tokens) in enumerate(zip(prompts, results, strict=True)):
         assert tokens == greedy(prompt, 4 + i % 7), f"request {i} got someone else's tokens"
 
 
@@ -184,7 +184,8 @@ def test_seed_reproducibility(stack: Stack) -> None:
         params = {"max_new_tokens": 12, "do_sample": True, "temperature": 1.5, "top_k": 50, "details": True}
         if seed is not None:
             params["seed"] = seed
-        return httpx.post(f"{stack.base_url}/generate", json={"inputs": PROMPT, "parameters": params}, timeout=60).json()
+        body = {"inputs": PROMPT, "parameters": params}
+        return httpx.post(f"{stack.base_url}/generate", json=body, timeout=60).json()
 
     first, second = sample(1234), sample(1234)
     assert first["generated_text"] == second["generated_text"]

@@ -110,7 +110,7 @@ def _name(common_name: str) -> x509.Name:
 def make_cert(directory: Path, name: str, issuer: Pem | None = None, server: bool = False, ca: bool = False) -> Pem:
     """An EC certificate: self-signed unless ``issuer`` signs it; a server's names 127.0.0.1 and localhost."""
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     if issuer is None:
         issuer_name, signing_key = _name(name), key
     else:

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import tritonclient.http as triton
 from huggingface_hub import InferenceClient
-from openai import OpenAI
 from text_generation import Client
 
+from openai import OpenAI
 from tests.conftest import Stack, start_stack, stop_stack
 from tests.test_engine_contract import VLLM_ARGS, require_vllm
 

@@ -23,8 +23,8 @@ from common.protocol import (
 )
 from common.settings import Settings
 from worker.engine import PreparedJob, RequestRefused
-from worker.transformers_engine import TransformersEngine
 from worker.main import WorkerLoop
+from worker.transformers_engine import TransformersEngine
 
 STREAM = keys.job_stream("m")  # the default priority's
 

@@ -12,6 +12,8 @@ the stock path. :func:`use_padded_attention` switches a model to this function t
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
@@ -30,7 +32,7 @@ def padded_sdpa_attention(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
-    **kwargs: object,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """``transformers`` attention function: query [batch, heads, q, dim], key/value [batch, kv_heads, k, dim],
     boolean mask [batch, 1, q, k] or None; returns [batch, q, heads, dim]."""

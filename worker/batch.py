@@ -46,15 +46,15 @@ class ForwardArgs:
     step: LlamaStep | None = None  # the model's passes without its forward, where they apply
 
     @classmethod
-    def of(cls, model: PreTrainedModel) -> "ForwardArgs":
+    def of(cls, model: PreTrainedModel) -> ForwardArgs:
         declared = inspect.signature(model.forward).parameters
         return cls(accepts_4d_mask(model), "position_ids" in declared, "logits_to_keep" in declared,
                    LlamaStep.of(model))
 
-    def takes_step(self, model: PreTrainedModel | PeftModel) -> bool:
-        """Whether passes of ``model`` run :attr:`step`: there is one, and the model is not wrapped by peft (an
-        adapter's layers are in the wrapper's forward only)."""
-        return self.step is not None and model is self.step.model
+    def step_for(self, model: PreTrainedModel | PeftModel) -> LlamaStep | None:
+        """:attr:`step` when passes of ``model`` run it: there is one, and the model is not wrapped by peft (an
+        adapter's layers are in the wrapper's forward only); else None."""
+        return self.step if self.step is not None and model is self.step.model else None
 
     def call(
         self, model: PreTrainedModel | PeftModel, input_ids: torch.Tensor, mask: torch.Tensor,
@@ -80,7 +80,7 @@ class DecodeBatch:
 
     def __init__(
         self,
-        cache: DynamicCache,
+        cache: GrowingCache,
         attention_mask: torch.Tensor,
         next_ids: torch.Tensor,
         positions: torch.Tensor,
@@ -105,7 +105,7 @@ class DecodeBatch:
         forward: ForwardArgs,
         adapters: Sequence[str | None],
         extra_inputs: dict[str, torch.Tensor] | None = None,
-    ) -> tuple["DecodeBatch", torch.Tensor, torch.Tensor, list[list[float] | None]]:
+    ) -> tuple[DecodeBatch, torch.Tensor, torch.Tensor, list[list[float] | None]]:
         """Run the prompts through the model in one left-padded pass and choose each row's first token, each
         row with its adapter of ``adapters``; ``extra_inputs`` go to the model's forward too (the rows' media
         features, in row order).
@@ -115,14 +115,15 @@ class DecodeBatch:
         """
         width = max(len(prompt) for prompt in prompts)
         padded = [[pad_id] * (width - len(prompt)) + list(prompt) for prompt in prompts]
-        mask = [[False] * (width - len(prompt)) + [True] * len(prompt) for prompt in prompts]
+        present = [[False] * (width - len(prompt)) + [True] * len(prompt) for prompt in prompts]
         input_ids = torch.tensor(padded, dtype=torch.long, device=model.device)
-        attention_mask = torch.tensor(mask, dtype=torch.bool, device=model.device)
+        attention_mask = torch.tensor(present, dtype=torch.bool, device=model.device)
         positions = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
         cache = GrowingCache()
         mask = _causal_mask(attention_mask) if forward.mask_4d else attention_mask
-        if forward.takes_step(model) and not any(prompt_details) and not extra_inputs:
-            logits = forward.step(input_ids, mask, positions, cache)
+        step = forward.step_for(model)
+        if step is not None and not any(prompt_details) and not extra_inputs:
+            logits = step(input_ids, mask, positions, cache)
         else:
             logits = forward.call(model, input_ids, mask, positions, cache, 0 if any(prompt_details) else 1,
                                   extra_inputs, _adapter_names(model, adapters))
@@ -130,7 +131,7 @@ class DecodeBatch:
         ids, logprobs = sampler(logits[:, -1, :])
         prompt_logprobs = [
             _prompt_logprobs(logits[row], prompt) if details else None
-            for row, (prompt, details) in enumerate(zip(prompts, prompt_details))
+            for row, (prompt, details) in enumerate(zip(prompts, prompt_details, strict=True))
         ]
         batch = cls(cache, attention_mask, ids[:, None], positions[:, -1:] + 1, sampler, list(adapters))
         return batch, ids, logprobs, prompt_logprobs
@@ -143,8 +144,8 @@ class DecodeBatch:
         """Feed every row's last token, append it to the cache and choose the next one."""
         attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones((self.size, 1))], dim=1)
         mask = attention_mask[:, None, None, :] if forward.mask_4d else attention_mask
-        if forward.takes_step(model):
-            logits = forward.step(self.next_ids, mask, self.positions, self.cache)
+        if (step := forward.step_for(model)) is not None:
+            logits = step(self.next_ids, mask, self.positions, self.cache)
         else:
             logits = forward.call(model, self.next_ids, mask, self.positions, self.cache,
                                   adapter_names=_adapter_names(model, self.adapters))
@@ -160,19 +161,23 @@ class DecodeBatch:
         attention_mask = self.attention_mask[index]
         start = int(attention_mask.any(dim=0).int().argmax())
         self.attention_mask = attention_mask[:, start:]
-        self.cache = _build_cache((keys[index, :, start:], values[index, :, start:]) for keys, values in _layers(self.cache))
+        self.cache = _build_cache(
+            (keys[index, :, start:], values[index, :, start:]) for keys, values in _layers(self.cache)
+        )
         self.next_ids = self.next_ids[index]
         self.positions = self.positions[index]
         self.sampler = self.sampler.select(keep)
         self.adapters = [self.adapters[row] for row in keep]
 
-    def merge(self, other: "DecodeBatch") -> None:
+    def merge(self, other: DecodeBatch) -> None:
         """Append the rows of ``other``, left-padding whichever cache is narrower."""
         width = max(self.attention_mask.shape[1], other.attention_mask.shape[1])
         self.attention_mask = _stack_left_padded([self.attention_mask, other.attention_mask], width, seq_dim=1)
         self.cache = _build_cache(
-            (_stack_left_padded([keys, other_keys], width, seq_dim=2), _stack_left_padded([values, other_values], width, seq_dim=2))
-            for (keys, values), (other_keys, other_values) in zip(_layers(self.cache), _layers(other.cache))
+            (_stack_left_padded([keys, other_keys], width, seq_dim=2),
+             _stack_left_padded([values, other_values], width, seq_dim=2))
+            for (keys, values), (other_keys, other_values)
+            in zip(_layers(self.cache), _layers(other.cache), strict=True)
         )
         self.next_ids = torch.cat([self.next_ids, other.next_ids])
         self.positions = torch.cat([self.positions, other.positions])
@@ -218,12 +223,12 @@ def _stack_left_padded(tensors: list[torch.Tensor], width: int, seq_dim: int) ->
     return out
 
 
-def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _layers(cache: GrowingCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(keys, values) of each layer, [batch, kv_heads, width, head_dim] each (transformers 5's ``Cache.layers``)."""
-    return [(layer.keys, layer.values) for layer in cache.layers]
+    return [layer.cached() for layer in cache.growing_layers]
 
 
-def _build_cache(layers: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+def _build_cache(layers: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> GrowingCache:
     """A new cache holding the given (keys, values) of each layer, in layer order."""
     cache = GrowingCache()
     for layer, (keys, values) in enumerate(layers):

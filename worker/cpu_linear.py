@@ -24,7 +24,7 @@ eagerly it is oneDNN's inner product; under ``torch.compile`` it stays one opaqu
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 import torch
 from transformers import PreTrainedModel
@@ -70,7 +70,7 @@ class PackedLinear(torch.nn.Linear):
     takes its output from its :class:`SiblingGroup` when it belongs to one."""
 
     packed_weight: torch.Tensor
-    group: "SiblingGroup | None" = None
+    group: SiblingGroup | None = None
 
     def pack(self) -> None:
         """(Re)build the packed copy from the dense weight; call it after changing ``weight``."""
@@ -126,7 +126,7 @@ class SiblingGroup:
         """(Re)build the stacked packed weight (and bias) from the members' dense ones."""
         self.packed_weight = _pack(torch.cat([member.weight.detach() for member in self.members]))
         biases = [member.bias for member in self.members]
-        self.bias = None if biases[0] is None else torch.cat([bias.detach() for bias in biases])  # type: ignore[union-attr]
+        self.bias = None if biases[0] is None else torch.cat([bias.detach() for bias in biases])
 
     def stacked(self, input: torch.Tensor) -> torch.Tensor:
         """Every member's output for ``input``, side by side in the last dimension in member order (one product;
@@ -140,7 +140,7 @@ class SiblingGroup:
             stacked = self.stacked(input)
             self._input = input
             parts = stacked.split(self._sizes, dim=-1)
-            self._outputs = {id(m): part.contiguous() for m, part in zip(self.members, parts)}
+            self._outputs = {id(m): part.contiguous() for m, part in zip(self.members, parts, strict=True)}
         output = self._outputs.pop(id(member))
         if not self._outputs:
             self._input = None
@@ -168,17 +168,17 @@ def use_packed_linear(model: PreTrainedModel) -> int:
     for module in model.modules():
         if type(module) is torch.nn.Linear and module.weight.dtype in dtypes:
             module.__class__ = PackedLinear
-            module.pack()
+            cast(PackedLinear, module).pack()  # what it is now, which mypy cannot follow
             count += 1
     for module in model.modules():
         for names in SIBLINGS:
             members = [getattr(module, name, None) for name in names]
             if _groupable(members):
-                SiblingGroup(members)  # type: ignore[arg-type]
+                SiblingGroup(members)
     return count
 
 
-def _groupable(members: list[Any]) -> bool:
+def _groupable(members: list[Any]) -> TypeGuard[list[PackedLinear]]:
     """Packed layers, in no group yet, of one input size, dtype and bias kind."""
     first = members[0]
     return all(

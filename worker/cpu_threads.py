@@ -141,7 +141,7 @@ def launched_worker_cores(settings: Settings, models: list[str]) -> Iterator[lis
     usable = os.sched_getaffinity(0)
     with contextlib.ExitStack() as stack:
         claims = [stack.enter_context(contextlib.closing(claim_cores(usable, workers))) for _ in models]
-        for number, (model, claim) in enumerate(zip(models, claims), 1):
+        for number, (model, claim) in enumerate(zip(models, claims, strict=True), 1):
             log.log(logging.WARNING if claim.shared else logging.INFO, "CPU worker %d of %d (model %s): cores %s, %s",
                     number, len(models), model, claim.cores, claim.describe(usable, workers))
         yield [",".join(map(str, claim.cores)) for claim in claims]

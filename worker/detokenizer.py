@@ -25,7 +25,13 @@ def make_decoder(tokenizer: PreTrainedTokenizerBase) -> Decode:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and not tokenizer.clean_up_tokenization_spaces:
         return lambda ids: backend.decode(ids, skip_special_tokens=True)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+    def decode(ids: list[int]) -> str:
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        assert isinstance(text, str)  # one sequence in, one text out (a list of them decodes to a list)
+        return text
+
+    return decode
 
 
 class IncrementalDetokenizer:

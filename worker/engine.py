@@ -44,7 +44,7 @@ class EngineLoadError(RuntimeError):
     message says which, in one line, so the worker can exit with it."""
 
     @classmethod
-    def for_model(cls, path: object, exc: BaseException, what: str = "cannot load the model") -> "EngineLoadError":
+    def for_model(cls, path: object, exc: BaseException, what: str = "cannot load the model") -> EngineLoadError:
         return cls(f"{what} at {path}: {' '.join(str(exc).split())}")
 
 
@@ -233,14 +233,17 @@ def eos_token_ids(*sources: object) -> frozenset[int]:
 
 
 def prompt_details(
-    tokenizer: "PreTrainedTokenizerBase", input_ids: list[int], logprobs: Sequence[float | None], special_ids: frozenset[int]
+    tokenizer: PreTrainedTokenizerBase,
+    input_ids: list[int],
+    logprobs: Sequence[float | None],
+    special_ids: frozenset[int],
 ) -> list[TokenInfo]:
     """``decoder_input_details``: each prompt token with its text and the logprob the model gave it (the
     first token has none, so ``logprobs`` holds one fewer)."""
     texts = tokenizer.batch_decode([[token] for token in input_ids], skip_special_tokens=False)
     return [
         TokenInfo(id=token, text=text, logprob=logprob, special=token in special_ids)
-        for token, text, logprob in zip(input_ids, texts, [None, *logprobs])
+        for token, text, logprob in zip(input_ids, texts, [None, *logprobs], strict=True)
     ]
 
 
@@ -254,7 +257,7 @@ class Engine(ABC):
 
     @classmethod
     @abstractmethod
-    def load(cls, settings: Settings) -> "Engine":
+    def load(cls, settings: Settings) -> Engine:
         """Load the model of ``settings``; raises :class:`EngineLoadError` when it cannot serve it here."""
 
     @abstractmethod
@@ -334,7 +337,7 @@ class Engine(ABC):
         """Whether the model's passes run compiled now (an engine may serve eagerly while it compiles)."""
         return False
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a hook: an engine holding nothing outside this process keeps it
         """Release what the engine holds outside this process (engine processes, devices)."""
 
 

@@ -2,15 +2,16 @@
 
 A stock ``DynamicLayer`` appends a decode step's keys and values with ``torch.cat``, which copies the whole
 cache of every layer at every step: with the ``cat`` calls of rotary embeddings, a tenth of the CPU time of a
-decode step of 8 rows of the bench's small model (bench/RESULTS.md). :class:`GrowingLayer` keeps each layer's keys and values in a buffer with room
-for :data:`SPARE_POSITIONS` more positions and writes new ones into it; its ``keys``/``values`` are views of the
-filled part, so everything that reads a ``DynamicLayer`` (the model's attention, :mod:`worker.batch`) reads it
-unchanged. A buffer is copied only when it is full, once every :data:`SPARE_POSITIONS` decode steps.
+decode step of 8 rows of the bench's small model (bench/RESULTS.md). :class:`GrowingLayer` keeps each layer's
+keys and values in a buffer with room for :data:`SPARE_POSITIONS` more positions and writes new ones into it;
+its ``keys``/``values`` are views of the filled part, so everything that reads a ``DynamicLayer`` (the model's
+attention, :mod:`worker.batch`) reads it unchanged. A buffer is copied only when it is full, once every
+:data:`SPARE_POSITIONS` decode steps.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import DynamicCache
@@ -53,16 +54,24 @@ class GrowingLayer(DynamicLayer):
             keys = key_states.new_empty((*rows_heads, capacity, key_states.shape[-1]))
             values = value_states.new_empty((*rows_heads, capacity, value_states.shape[-1]))  # its own head dim
             if length:
-                keys[..., :length, :].copy_(self.keys)
-                values[..., :length, :].copy_(self.values)
+                cached_keys, cached_values = self.cached()
+                keys[..., :length, :].copy_(cached_keys)
+                values[..., :length, :].copy_(cached_values)
             self._buffers = (keys, values)
-        keys, values = self._buffers  # type: ignore[misc]
+        assert self._buffers is not None  # made above, or _appends_in_place found them
+        keys, values = self._buffers
         return keys, values, length
 
     def commit(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Make the first ``end`` positions of the buffers the cached keys and values; returns them."""
-        keys, values = self._buffers  # type: ignore[misc]
+        assert self._buffers is not None, "commit before reserve"
+        keys, values = self._buffers
         self.keys, self.values = keys[..., :end, :], values[..., :end, :]
+        return self.keys, self.values
+
+    def cached(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached keys and values (``DynamicLayer`` has them None until its first update)."""
+        assert self.keys is not None and self.values is not None, "the layer has had no update"
         return self.keys, self.values
 
     def _appends_in_place(self, key_states: torch.Tensor, end: int) -> bool:
@@ -76,6 +85,7 @@ class GrowingLayer(DynamicLayer):
             end < buffer.shape[-2]
             and buffer.shape[:-2] == key_states.shape[:-2]
             and buffer.dtype == key_states.dtype
+            and self.keys is not None
             and self.keys.data_ptr() == buffer.data_ptr()
         )
 
@@ -86,20 +96,27 @@ class GrowingCache(DynamicCache):
     def __init__(self) -> None:
         Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
 
+    @property
+    def growing_layers(self) -> list[GrowingLayer]:
+        """``layers``, typed as what they are: this cache makes no other layer (``Cache.layers`` is declared
+        with every layer class of ``transformers``)."""
+        return cast("list[GrowingLayer]", self.layers)
+
     def reserve(self, layers: int, key_states: torch.Tensor,
                 value_states: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
         """:meth:`GrowingLayer.reserve` of each of ``layers`` layers (made as ``update`` makes them) and the
         number of cached positions, for a pass that writes the buffers itself, then commits."""
         buffers = []
         length = self.get_seq_length()
+        growing = self.growing_layers
         for index in range(layers):
-            if index == len(self.layers):
-                self.layers.append(GrowingLayer())
-            keys, values, _ = self.layers[index].reserve(key_states, value_states)
+            if index == len(growing):
+                growing.append(GrowingLayer())
+            keys, values, _ = growing[index].reserve(key_states, value_states)
             buffers.append((keys, values))
         return buffers, length
 
     def commit(self, end: int) -> None:
         """:meth:`GrowingLayer.commit` of every layer."""
-        for layer in self.layers:
-            layer.commit(end)  # type: ignore[attr-defined]
+        for layer in self.growing_layers:
+            layer.commit(end)

@@ -37,6 +37,7 @@ import os
 import sys
 import threading
 import time
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -79,6 +80,13 @@ COMPILE_CANCEL_SECONDS = 30.0
 line, which a kernel build being waited for can hold back)."""
 
 
+def _distinct_sizes() -> AbstractContextManager[None]:
+    """Symbolic shapes without duck sizing: sizes that happen to be equal stay distinct symbols."""
+    # patch is what torch's install_config_module adds at run time; this config module, unlike
+    # torch._dynamo.config, does not import its declaration (torch.utils._config_typing) for type checkers
+    return shape_config.patch(use_duck_shape=False)  # type: ignore[attr-defined]
+
+
 class CompileCancelled(BaseException):
     """Raised in the compile thread to end it (:meth:`LlamaStep.cancel_compile`); a BaseException, so that
     torch's handlers of ``Exception`` let it through."""
@@ -96,7 +104,8 @@ def applies(model: PreTrainedModel) -> bool:
         return False
     return all(
         getattr(layer.self_attn.q_proj, "group", None) is not None
-        and layer.self_attn.q_proj.group.members == [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
+        and layer.self_attn.q_proj.group.members
+        == [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
         and getattr(layer.mlp.gate_proj, "group", None) is not None
         and layer.mlp.gate_proj.group.members == [layer.mlp.gate_proj, layer.mlp.up_proj]
         for layer in inner.layers
@@ -108,7 +117,7 @@ class LlamaStep:
     module docstring."""
 
     @classmethod
-    def of(cls, model: PreTrainedModel) -> "LlamaStep | None":
+    def of(cls, model: PreTrainedModel) -> LlamaStep | None:
         """The step for ``model``, eager, or None where it does not apply (:func:`applies`)."""
         return cls(model) if applies(model) else None
 
@@ -163,7 +172,7 @@ class LlamaStep:
         started = time.monotonic()
         device = self.model.device
         try:
-            with torch.inference_mode(), shape_config.patch(use_duck_shape=False):  # tensors as the engine's
+            with torch.inference_mode(), _distinct_sizes():  # tensors as the engine's
                 for rows, new, length in COMPILED_SHAPES:
                     cache = GrowingCache()
                     if length:
@@ -198,7 +207,7 @@ class LlamaStep:
         rows, new = input_ids.shape
         buffers, length = self._reserve(cache, rows, new)
         if self.compiled is not None and self.compiles(rows, new, length):
-            with shape_config.patch(use_duck_shape=False):  # sizes that happen to be equal stay distinct symbols
+            with _distinct_sizes():
                 logits = self.compiled(input_ids, mask, positions, length, buffers)
         else:
             logits = self._layers(input_ids, mask, positions, length, buffers)
@@ -225,7 +234,7 @@ class LlamaStep:
         # rotate_half(x) * sin == roll(x, half) * sin with the first half of sin negated
         sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, :, None, :]
         rotated = (heads + kv_heads) * dim  # the query and key columns of the q/k/v product
-        for layer, (keys, values) in zip(inner.layers, buffers):
+        for layer, (keys, values) in zip(inner.layers, buffers, strict=True):
             attention, mlp = layer.self_attn, layer.mlp
             qkv = attention.q_proj.group.stacked(layer.input_layernorm(hidden))
             query_key = qkv[..., :rotated].view(batch, new, heads + kv_heads, dim)

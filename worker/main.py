@@ -22,6 +22,7 @@ docs/reliability.md:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -32,7 +33,7 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, NamedTuple, get_args
+from typing import TYPE_CHECKING, Any, NamedTuple, get_args
 
 from pydantic import ValidationError
 from redis.client import PubSub
@@ -50,6 +51,9 @@ from common.settings import EngineName, Settings, settings_or_exit
 from worker.cpu_threads import place_worker_threads
 from worker.engine import Engine, EngineLoadError, PreparedJob, RequestRefused, StepOutput, load_engine
 from worker.metrics import WorkerMetrics
+
+if TYPE_CHECKING:  # redis-py's reply types, in its newer releases only
+    from redis.typing import StreamIdT, XReadGroupResponse
 
 log = logging.getLogger("ferry.worker")
 
@@ -78,9 +82,9 @@ class Entry(NamedTuple):
     message_id: bytes
 
 
-def by_stream(entries: Iterable[Entry]) -> dict[str, list[bytes]]:
+def by_stream(entries: Iterable[Entry]) -> dict[str, list[StreamIdT]]:
     """The entries' ids per stream, for the commands that take the ids of one stream."""
-    grouped: dict[str, list[bytes]] = {}
+    grouped: dict[str, list[StreamIdT]] = {}
     for stream, message_id in entries:
         grouped.setdefault(stream, []).append(message_id)
     return grouped
@@ -106,7 +110,9 @@ class Preparing:
 class WorkerLoop:
     """Moves jobs between Redis and the engine. All state of the worker lives here."""
 
-    def __init__(self, settings: Settings, redis: SyncRedis, engine: Engine, metrics: WorkerMetrics | None = None) -> None:
+    def __init__(
+        self, settings: Settings, redis: SyncRedis, engine: Engine, metrics: WorkerMetrics | None = None
+    ) -> None:
         self.settings = settings
         self.redis = redis
         self.engine = engine
@@ -169,7 +175,8 @@ class WorkerLoop:
         for _, (entry, _, _) in inflight:
             pipe.xpending_range(entry.stream, self.group, entry.message_id, entry.message_id, 1)
         owners = [pending[0]["consumer"].decode() if pending else None for pending in pipe.execute()]
-        gone = {request_id: owner for (request_id, _), owner in zip(inflight, owners) if owner != self.consumer}
+        gone = {request_id: owner for (request_id, _), owner in zip(inflight, owners, strict=True)
+                if owner != self.consumer}
         for request_id in gone:
             self.engine.cancel(request_id)
         lost = [self._inflight[request_id].job for request_id, owner in gone.items() if owner is None]
@@ -271,8 +278,10 @@ class WorkerLoop:
             if self._accept_read(entries):
                 self.take_jobs()  # the first job of a burst woke the worker: take the rest of it
 
-    def _accept_read(self, entries: list[Any]) -> bool:
-        """Accept what XREADGROUP answered; whether it held any job."""
+    def _accept_read(self, entries: XReadGroupResponse | None) -> bool:
+        """Accept what XREADGROUP answered (in RESP2, the protocol of Ferry's clients: [stream, messages] per
+        stream; None when a blocking read found nothing); whether it held any job."""
+        assert not isinstance(entries, dict), "a RESP3 reply"
         read = [(Entry(stream.decode(), message_id), fields) for stream, messages in entries or []
                 for message_id, fields in messages]
         self.accept(read)
@@ -288,7 +297,8 @@ class WorkerLoop:
             pipe.xpending(stream, self.group)
         replies = pipe.execute()
         lengths, pending = replies[::2], replies[1::2]
-        return [stream for stream, length, held in zip(self.streams, lengths, pending) if length > held["pending"]]
+        return [stream for stream, length, held in zip(self.streams, lengths, pending, strict=True)
+                if length > held["pending"]]
 
     def heartbeat(self, now: float) -> None:
         if now < self._next_heartbeat:
@@ -367,7 +377,7 @@ class WorkerLoop:
             retried: list[tuple[Entry, dict[bytes, bytes]]] = []
             for message_id, fields in claimed:
                 pending = self.redis.xpending_range(stream, self.group, message_id, message_id, 1)
-                deliveries = pending[0]["times_delivered"] if pending else 1
+                deliveries = int(pending[0]["times_delivered"]) if pending else 1
                 log.warning("claimed abandoned job %s (delivery %d)", message_id, deliveries)
                 entry = Entry(stream, message_id)
                 if deliveries > self.settings.max_deliveries:
@@ -425,7 +435,7 @@ class WorkerLoop:
         pipe = self.redis.pipeline(transaction=False)  # GETs, not MGET: a cluster keeps them on several slots
         for _, job, _ in jobs:
             pipe.get(keys.control_key(self.model, job.request_id))
-        for (entry, job, expires_at), raw_control in zip(jobs, pipe.execute()):
+        for (entry, job, expires_at), raw_control in zip(jobs, pipe.execute(), strict=True):
             control = Control.model_validate_json(raw_control) if raw_control else None
             if control is not None and control.action == "cancel":
                 self._ack_ids([entry])
@@ -438,8 +448,9 @@ class WorkerLoop:
         never holds up the steps of the others. Meanwhile it is in ``_inflight``, so controls, deadlines and
         heartbeats apply to it as to a running one."""
         if job.media:
-            media = self.redis.mget([ref.key for ref in job.media])
-            if any(data is None for data in media):
+            stored = self.redis.mget([ref.key for ref in job.media])
+            media = [data for data in stored if isinstance(data, bytes)]  # None: the key expired or was deleted
+            if len(media) != len(stored):
                 self.fail([job], "the request's media are no longer in Redis (its API pod ended it)", "generation")
                 self._ack_ids([entry])
                 return False
@@ -540,7 +551,8 @@ class WorkerLoop:
         their order) and before waiting idle."""
         outputs, self._sent = self._sent, []
         replies = self._outbox.replies()
-        orphans = [out.job.request_id for out, receivers in zip(outputs, replies)
+        # the replies of the acknowledgements sent after the events follow theirs
+        orphans = [out.job.request_id for out, receivers in zip(outputs, replies, strict=False)
                    if receivers == 0 and not out.finished and out.job.request_id in self._inflight]
         if orphans:
             log.warning("dropping %d requests whose API pod is gone", len(orphans))
@@ -590,18 +602,17 @@ class WorkerLoop:
             self.engine.cancel(job.request_id)
         self._inflight.clear()
         if self.settings.redis_cluster and jobs:
-            try:
+            with contextlib.suppress(*REDIS_ERRORS):
                 self.fail(jobs, f"the worker lost the Redis shard of its job queue ({cause}); the request may be "
                                 "retried", "unavailable")
-            except REDIS_ERRORS:
-                pass
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = command_parser("ferry-worker", __doc__.splitlines()[0])
     parser.add_argument("--redis-url", help="overrides REDIS_URL")
     parser.add_argument("--model-path", help="model folder or Hugging Face model id; overrides MODEL_PATH")
-    parser.add_argument("--model-name", help="the model to serve, one of the config's ModelConfig; overrides MODEL_NAME")
+    parser.add_argument("--model-name",
+                        help="the model to serve, one of the config's ModelConfig; overrides MODEL_NAME")
     parser.add_argument("--device", help="cpu, cuda[:n] or npu[:n]; overrides DEVICE")
     parser.add_argument("--engine", choices=get_args(EngineName), help="overrides ENGINE (default transformers)")
     args = parser.parse_args(argv)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoProcessor, PretrainedConfig
+from transformers import AutoProcessor, PretrainedConfig, ProcessorMixin
 
 from common.images import ImageRefused, open_image
 from common.model_files import declared_media
@@ -45,14 +45,16 @@ def concatenate(parts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.
 class MediaProcessor:
     """Expands a model's image placeholders with its processor (the only kind the workers decode here)."""
 
-    def __init__(self, processor: object, placeholders: Mapping[MediaKind, tuple[int, str]], max_pixels: int) -> None:
+    def __init__(
+        self, processor: ProcessorMixin, placeholders: Mapping[MediaKind, tuple[int, str]], max_pixels: int
+    ) -> None:
         self.processor = processor
         self.placeholders = dict(placeholders)  # kind -> (token id, token text)
         self.max_pixels = max_pixels  # maxImagePixels: larger images are refused before they are decoded
 
     @classmethod
     def load(cls, path: Path, config: PretrainedConfig, trust_remote_code: bool,
-             max_pixels: int) -> "MediaProcessor | None":
+             max_pixels: int) -> MediaProcessor | None:
         """The processor of a model whose config declares an image placeholder; None for a text-only model."""
         declared = declared_media(config.to_dict())
         if "image" not in declared:
@@ -66,7 +68,7 @@ class MediaProcessor:
         the queue loop runs it beside its steps (:meth:`worker.engine.Engine.prepare`)."""
         ids: list[int] = []
         tensors: list[dict[str, torch.Tensor]] = []
-        items = iter(zip(job.media, media))
+        items = iter(zip(job.media, media, strict=True))
         placeholder_ids = {token_id: kind for kind, (token_id, _) in self.placeholders.items()}
         for token in job.input_ids:
             if token not in placeholder_ids:

@@ -48,7 +48,7 @@ class BatchSampler:
     @classmethod
     def create(
         cls, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]], vocab_size: int, device: torch.device
-    ) -> "BatchSampler":
+    ) -> BatchSampler:
         """State for freshly prefilled rows: a generator seeded with each request's seed, presence = prompt."""
         generators = [torch.Generator().manual_seed(p.seed) for p in params]
         presence = torch.zeros(len(params), vocab_size, dtype=torch.bool, device=device)
@@ -56,7 +56,7 @@ class BatchSampler:
             presence[row, torch.tensor(ids, dtype=torch.long, device=device)] = True
         return cls(params, generators, presence)
 
-    def select(self, rows: list[int]) -> "BatchSampler":
+    def select(self, rows: list[int]) -> BatchSampler:
         """The state of the kept rows, in the given order."""
         index = torch.tensor(rows, dtype=torch.long, device=self.presence.device)
         return BatchSampler(
@@ -64,7 +64,7 @@ class BatchSampler:
         )
 
     @classmethod
-    def concat(cls, first: "BatchSampler", second: "BatchSampler") -> "BatchSampler":
+    def concat(cls, first: BatchSampler, second: BatchSampler) -> BatchSampler:
         """The rows of ``first`` followed by the rows of ``second``."""
         return cls(
             first.params + second.params,

@@ -139,7 +139,7 @@ def make_tiny_vlm(out_dir: Path, *, vocab_size: int = 4096, seed: int = 0) -> Pa
         image_size=VLM_IMAGE_SIZE, patch_size=VLM_PATCH_SIZE, projection_dim=32,
     )
     config = LlavaConfig(
-        vision_config=vision_config, text_config=text_config, image_token_id=tokenizer.image_token_id,
+        vision_config=vision_config, text_config=text_config, image_token_index=tokenizer.image_token_id,
         vision_feature_select_strategy="default", vision_feature_layer=-1, image_seq_length=VLM_IMAGE_TOKENS,
         tie_word_embeddings=False,
     )

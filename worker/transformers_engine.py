@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from peft import PeftModel
 from peft.functional import delete_adapter
+from peft.tuners.tuners_utils import BaseTuner
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -39,11 +40,10 @@ from transformers import (
 from common.model_files import ModelUnavailable, model_file
 from common.protocol import AdapterRef, ErrorEvent, Job, TokenEvent
 from common.settings import Settings
+from worker import lora
 from worker.attention import use_padded_attention
 from worker.batch import BASE_ADAPTER, DecodeBatch, ForwardArgs
 from worker.cpu_linear import use_packed_linear
-from worker import lora
-from worker.media import MediaProcessor, concatenate
 from worker.detokenizer import make_decoder
 from worker.engine import (
     AdapterSet,
@@ -59,6 +59,7 @@ from worker.engine import (
     new_request_state,
     prompt_details,
 )
+from worker.media import MediaProcessor, concatenate
 
 log = logging.getLogger("ferry.engine")
 
@@ -101,7 +102,7 @@ class TransformersEngine(Engine):
         return self._forward.step is not None and self._forward.step.compiled is not None
 
     @classmethod
-    def load(cls, settings: Settings) -> "TransformersEngine":
+    def load(cls, settings: Settings) -> TransformersEngine:
         """Load the model and tokenizer of ``settings.resolved_model_path`` (a folder or a Hugging Face id) onto
         ``settings.device``. The device and the model's config are checked first, so that a wrong setting
         costs a second and one line, not a model load and a traceback."""
@@ -142,7 +143,9 @@ class TransformersEngine(Engine):
         except (OSError, ValueError, ImportError) as exc:
             raise EngineLoadError.for_model(path, exc) from None
         try:
-            model.to(torch.device(device)).eval()
+            # transformers declares PreTrainedModel.to as functools.wraps(torch.nn.Module.to), whose stub (_Wrapped)
+            # mypy does not bind to the instance: it takes the device for `self`
+            model.to(torch.device(device)).eval()  # type: ignore[arg-type]
         except RuntimeError as exc:  # out of device memory, most likely
             raise EngineLoadError.for_model(path, exc, f"cannot move the model to {device}") from None
         use_padded_attention(model)
@@ -173,7 +176,8 @@ class TransformersEngine(Engine):
         sequences = [*self._running, *self._waiting]
         if sum(seq.reserved_tokens for seq in sequences) >= settings.max_batch_total_tokens:
             return 0
-        return max(0, min(settings.max_batch_size - len(sequences), settings.max_prefill_batch_size - len(self._waiting)))
+        room = settings.max_batch_size - len(sequences)
+        return max(0, min(room, settings.max_prefill_batch_size - len(self._waiting)))
 
     def prepare(self, job: Job, media: Sequence[bytes]) -> PreparedJob:
         """The prompt expanded by the model's processor (:mod:`worker.media`), which is what the job's limits then
@@ -194,7 +198,8 @@ class TransformersEngine(Engine):
         (:class:`worker.engine.AdapterSet`)."""
         inputs: dict[str, torch.Tensor] = {}
         if isinstance(job, PreparedJob):
-            job, inputs = job.job, dict(job.inputs)
+            inputs = dict(job.inputs)
+            job = job.job
         elif job.media:
             raise ValueError(f"request {job.request_id} holds media: prepare it first")
         elif (reason := self.refusal(job)) is not None:
@@ -270,7 +275,9 @@ class TransformersEngine(Engine):
             vars(self.model).pop("peft_config", None)  # what PeftModel sets on the model it wraps
         else:
             self._peft.peft_config.pop(name, None)
-            delete_adapter(self.model, name, prefix=self._peft.base_model.prefix)
+            tuner = self._peft.base_model
+            assert isinstance(tuner, BaseTuner)  # a LoRA model (peft's declared type is any torch Module)
+            delete_adapter(self.model, name, prefix=tuner.prefix)
 
     def _free_adapter(self, name: str) -> None:
         """Delete an adapter no added request uses; unwrap the model when it was the last one."""
@@ -388,7 +395,7 @@ class TransformersEngine(Engine):
                 self._pad_id,
                 [job.decoder_input_details for job in jobs],
                 self._forward,
-                [job.adapter and job.adapter.name for job in jobs],
+                [job.adapter.name if job.adapter else None for job in jobs],
                 concatenate([seq.extra_inputs for seq in sequences]),
             )
         except Exception:
@@ -396,11 +403,11 @@ class TransformersEngine(Engine):
             raise
         for seq in sequences:
             seq.extra_inputs = {}  # the features are in the cache now
-        for seq, scores in zip(sequences, prompt_logprobs):
+        for seq, scores in zip(sequences, prompt_logprobs, strict=True):
             if scores is not None:
                 seq.prefill = prompt_details(self.tokenizer, seq.job.input_ids, scores, self._special_ids)
-        sequences, batch = self._advance(sequences, batch, ids, logprobs, outputs)
-        return None if batch is None else (sequences, batch)
+        sequences, running = self._advance(sequences, batch, ids, logprobs, outputs)
+        return None if running is None else (sequences, running)
 
     def _advance(
         self,
@@ -412,7 +419,7 @@ class TransformersEngine(Engine):
     ) -> tuple[list[RequestState], DecodeBatch | None]:
         """Turn each row's new token into an event; return the rows that keep running."""
         keep: list[int] = []
-        for row, (seq, token, logprob) in enumerate(zip(sequences, ids.tolist(), logprobs.tolist())):
+        for row, (seq, token, logprob) in enumerate(zip(sequences, ids.tolist(), logprobs.tolist(), strict=True)):
             try:
                 event: TokenEvent | ErrorEvent = self._token_event(seq, token, logprob)
             except Exception as exc:  # this request's text handling failed; the others go on

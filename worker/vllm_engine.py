@@ -67,7 +67,7 @@ from worker.engine import (
 try:
     import torch
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
-    from vllm import EngineArgs, SamplingParams, TokensPrompt
+    from vllm import EngineArgs, RequestOutput, SamplingParams, TokensPrompt
     from vllm.config import CompilationMode
     from vllm.lora.request import LoRARequest
     from vllm.platforms import current_platform
@@ -129,7 +129,7 @@ class VllmEngine(Engine):
         self._stopping: set[str] = set()
 
     @classmethod
-    def load(cls, settings: Settings) -> "VllmEngine":
+    def load(cls, settings: Settings) -> VllmEngine:
         """vLLM's engine over the model of ``settings`` (a folder or a Hugging Face id, which vLLM resolves
         as ``from_pretrained`` does); the model's config is checked first, for one clear line when it is
         missing."""
@@ -347,6 +347,7 @@ class VllmEngine(Engine):
                 self._forget(request_id)
             raise
         for result in results:
+            assert isinstance(result, RequestOutput)  # a generating model's (PoolingRequestOutput: an embedding's)
             state = self._requests.get(result.request_id)
             if state is None:  # cancelled while the core computed this step
                 continue
@@ -369,7 +370,7 @@ class VllmEngine(Engine):
                 outputs.append(StepOutput(state.job, ErrorEvent(message=f"vLLM ended the request early ({reason})")))
         return outputs
 
-    def _collect_prompt_logprobs(self, state: RequestState, chunk: list[Any]) -> None:
+    def _collect_prompt_logprobs(self, state: RequestState, chunk: Sequence[Any]) -> None:
         """Prompt logprobs arrive with the prefill (in pieces when vLLM splits a long prompt), one entry per
         prompt position, None for the first token."""
         collected = self._prompt_logprobs[state.request_id]
