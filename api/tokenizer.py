@@ -1,8 +1,9 @@
 """The API pod's tokenizer: a model's token ids and chat template without transformers, hence without torch.
 
-Importing transformers pulls in torch (4-5 s and ~300 MiB more per pod) for what the ``tokenizers`` library and
-jinja2 do on their own. :class:`ApiTokenizer` reads the files transformers 5 reads for a fast tokenizer, and gives
-the ids of ``AutoTokenizer.from_pretrained(folder)(text, add_special_tokens=...)["input_ids"]`` and the text of
+Importing transformers pulls in torch (seconds and hundreds of MiB more per pod: README "Architecture") for what
+the ``tokenizers`` library and jinja2 do on their own. :class:`ApiTokenizer` reads the files transformers 5 reads
+for a fast tokenizer, and gives the ids of
+``AutoTokenizer.from_pretrained(folder)(text, add_special_tokens=...)["input_ids"]`` and the text of
 ``apply_chat_template(messages, add_generation_prompt=True, tokenize=False)``:
 
 * ``tokenizer.json``: the whole pipeline. BOS and EOS come from its post-processor alone: when a folder has a

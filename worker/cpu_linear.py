@@ -30,14 +30,12 @@ import torch
 from transformers import PreTrainedModel
 
 BATCH_HINT = 32
-"""The row count oneDNN is told to expect when it chooses the weight's layout (any count works; measured
-here, hints from 1 to 128 gave the same speed within noise at 1 to 256 rows)."""
+"""The row count oneDNN is told to expect when it chooses the weight's layout (any count works: the hint made no
+difference measured here)."""
 
 DENSE_ROWS = 1
-"""Float32 inputs of at most this many rows take ``F.linear`` on the dense weight instead of oneDNN: the linear
-layers of a decode step of the 28M bench model on one core took 7.3 ms that way against 10.1 ms through oneDNN
-at 1 row (2.4 and 3.1 ms less at 2 and 3 rows, more from 4 rows on, on an Intel host; an AMD host measured
-oneDNN ahead from 2 rows on; bench/RESULTS.md)."""
+"""Float32 inputs of at most this many rows take ``F.linear`` on the dense weight instead of oneDNN: MKL's
+matrix-vector product is faster for a single row, oneDNN from two rows on (bench/RESULTS.md)."""
 
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Names of linear layers of one module that the model calls on the same input, one after the other (the

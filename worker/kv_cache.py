@@ -1,8 +1,8 @@
 """The running batch's KV cache: ``transformers``' ``DynamicCache`` whose layers append in place.
 
 A stock ``DynamicLayer`` appends a decode step's keys and values with ``torch.cat``, which copies the whole
-cache of every layer at every step: with the ``cat`` calls of rotary embeddings, a tenth of the CPU time of a
-decode step of 8 rows of the bench's small model (bench/RESULTS.md). :class:`GrowingLayer` keeps each layer's
+cache of every layer at every step: with the ``cat`` calls of rotary embeddings, a sizeable share of a decode
+step's CPU time (bench/RESULTS.md). :class:`GrowingLayer` keeps each layer's
 keys and values in a buffer with room for :data:`SPARE_POSITIONS` more positions and writes new ones into it;
 its ``keys``/``values`` are views of the filled part, so everything that reads a ``DynamicLayer`` (the model's
 attention, :mod:`worker.batch`) reads it unchanged. A buffer is copied only when it is full, once every

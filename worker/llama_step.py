@@ -8,9 +8,9 @@ own modules (embeddings, RMSNorms, rotary embedding, LM head), its grouped oneDN
 stacked q/k/v product as one tensor and rotates them together (``roll`` and a sign-folded sine in place of
 ``rotate_half``'s slices and ``cat``), and the gated MLP's halves as views of one product: the same operations
 on the same values in the same order, so its logits are bit-identical to the model's forward
-(tests/test_llama_step.py), in about 8 % less time per decode step at 8 rows and 4 % at 32 on the bench model
-(the same at 1 row; bench/RESULTS.md). It writes new keys and values into the cache's buffers itself
-(:meth:`worker.kv_cache.GrowingCache.reserve`) and returns the last position's logits only.
+(tests/test_llama_step.py), in less time per decode step of several rows (bench/RESULTS.md). It writes new keys
+and values into the cache's buffers itself (:meth:`worker.kv_cache.GrowingCache.reserve`) and returns the last
+position's logits only.
 
 With the worker's ``compileModel`` setting (on by default, as vLLM compiles its CPU models), the passes are also
 compiled by ``torch.compile`` with Inductor: the small ops become a few generated C++ kernels and the products stay
