@@ -346,8 +346,14 @@ class Settings(BaseSettings):
 
     # The model this process serves (a worker), or the default one (an API pod: TGI routes serve it).
     # With ModelConfig, MODEL_NAME picks an entry (default: the first) and the path comes from it.
-    model_path: Path | None = Field(None, **_spec(None, "modelWeightPath", "MODEL_PATH", "MODEL_ID"))
-    model_name: str | None = Field(None, **_spec(None, "modelName", "MODEL_NAME", "SERVED_MODEL_NAME"))
+    model_path: Path | None = Field(
+        None, description="the model's folder, or a Hugging Face model id (fetched into the hub cache)",
+        **_spec(None, "modelWeightPath", "MODEL_PATH", "MODEL_ID"),
+    )
+    model_name: str | None = Field(
+        None, description="the model a worker serves, the default model of an API pod; names its job streams",
+        **_spec(None, "modelName", "MODEL_NAME", "SERVED_MODEL_NAME"),
+    )
     models: list[ModelEntry] = Field(
         default_factory=list, description="every model of the deployment; API pods serve them all",
         **_spec("ModelDeployConfig", "ModelConfig", "MODEL_CONFIG"),
@@ -385,9 +391,12 @@ class Settings(BaseSettings):
     redis_tls_key: Path | None = Field(
         None, description="PEM private key of redisTlsCert", **_spec("BackendConfig", "redisTlsKey", "REDIS_TLS_KEY"),
     )
-    host: str = Field("127.0.0.1", **_spec("ServerConfig", "ipAddress", "HOST"))
-    port: int = Field(8080, ge=1, le=65535, **_spec("ServerConfig", "port", "PORT"))
-    https_enabled: bool = Field(False, **_spec("ServerConfig", "httpsEnabled", "HTTPS_ENABLED"))
+    host: str = Field("127.0.0.1", description="API listen address", **_spec("ServerConfig", "ipAddress", "HOST"))
+    port: int = Field(8080, ge=1, le=65535, description="API listen port", **_spec("ServerConfig", "port", "PORT"))
+    https_enabled: bool = Field(
+        False, description="serve HTTPS; needs tlsCert and tlsPk",
+        **_spec("ServerConfig", "httpsEnabled", "HTTPS_ENABLED"),
+    )
     tls_cert: Path | None = Field(None, description="PEM certificate (chain)",
                                   **_spec("ServerConfig", "tlsCert", "TLS_CERT"))
     tls_pk: Path | None = Field(None, description="PEM private key", **_spec("ServerConfig", "tlsPk", "TLS_PK"))
@@ -447,24 +456,34 @@ class Settings(BaseSettings):
     )
 
     # Request limits (SPEC.md, section "Server configuration")
-    max_iter_times: int = Field(512, gt=0, **_spec("ScheduleConfig", "maxIterTimes", "MAX_ITER_TIMES"))
+    max_iter_times: int = Field(
+        512, gt=0, description="cap on generated tokens (max_new_tokens is min'ed with it)",
+        **_spec("ScheduleConfig", "maxIterTimes", "MAX_ITER_TIMES"),
+    )
     max_seq_len: int = Field(
-        2048, gt=1, **_spec("ModelDeployConfig", "maxSeqLen", "MAX_SEQ_LEN", "MAX_MODEL_LEN", "MAX_TOTAL_TOKENS")
+        2048, gt=1, description="cap on prompt + generated tokens per request (vLLM's max_model_len)",
+        **_spec("ModelDeployConfig", "maxSeqLen", "MAX_SEQ_LEN", "MAX_MODEL_LEN", "MAX_TOTAL_TOKENS")
     )
     max_input_token_len: int = Field(
         2047, gt=0,
+        description="cap on prompt tokens",
         **_spec("ModelDeployConfig", "maxInputTokenLen", "MAX_INPUT_TOKEN_LEN", "MAX_INPUT_TOKENS", "MAX_INPUT_LENGTH"),
     )
     truncation: int = Field(
         0, description="0: reject over-long input (the only mode built)",
         **_spec("ModelDeployConfig", "truncation", "TRUNCATION"),
     )
-    full_text_enabled: bool = Field(False, **_spec("ServerConfig", "fullTextEnabled", "FULL_TEXT_ENABLED"))
+    full_text_enabled: bool = Field(
+        False, description="stream events carry the whole text so far instead of the delta",
+        **_spec("ServerConfig", "fullTextEnabled", "FULL_TEXT_ENABLED"),
+    )
     tgi_stream_format: Literal["list", "int"] = Field(
-        "list", **_spec("ServerConfig", "tgiStreamFormat", "TGI_STREAM_FORMAT")
+        "list", description="POST / stream token ids: list (the spec's) or int (TGI's)",
+        **_spec("ServerConfig", "tgiStreamFormat", "TGI_STREAM_FORMAT")
     )
     kserve_output_includes_prompt: bool = Field(
-        True, **_spec("ServerConfig", "kserveOutputIncludesPrompt", "KSERVE_OUTPUT_INCLUDES_PROMPT")
+        True, description="KServe infer output0 holds the prompt ids before the generated ones",
+        **_spec("ServerConfig", "kserveOutputIncludesPrompt", "KSERVE_OUTPUT_INCLUDES_PROMPT")
     )
     chat_template: str | None = Field(
         None, description="the default model's chat template for /v1/chat/completions: a file or inline Jinja; "
@@ -473,12 +492,22 @@ class Settings(BaseSettings):
     )
 
     # Reliability (docs/reliability.md)
-    max_queue_size: int = Field(1024, gt=0, **_spec("ScheduleConfig", "maxQueueSize", "MAX_QUEUE_SIZE"))
-    max_link_num: int = Field(
-        1000, gt=0, **_spec("ServerConfig", "maxLinkNum", "MAX_LINK_NUM", "MAX_CONCURRENT_REQUESTS")
+    max_queue_size: int = Field(
+        1024, gt=0, description="jobs queued or running per model (429 past it)",
+        **_spec("ScheduleConfig", "maxQueueSize", "MAX_QUEUE_SIZE"),
     )
-    e2e_timeout: float = Field(600.0, gt=0, **_spec("ServerConfig", "e2eTimeout", "E2E_TIMEOUT"))
-    token_timeout: float = Field(600.0, gt=0, **_spec("ServerConfig", "tokenTimeout", "TOKEN_TIMEOUT"))
+    max_link_num: int = Field(
+        1000, gt=0, description="concurrent requests per API pod (429 past it)",
+        **_spec("ServerConfig", "maxLinkNum", "MAX_LINK_NUM", "MAX_CONCURRENT_REQUESTS")
+    )
+    e2e_timeout: float = Field(
+        600.0, gt=0, description="seconds a whole request may take",
+        **_spec("ServerConfig", "e2eTimeout", "E2E_TIMEOUT"),
+    )
+    token_timeout: float = Field(
+        600.0, gt=0, description="seconds between two tokens",
+        **_spec("ServerConfig", "tokenTimeout", "TOKEN_TIMEOUT"),
+    )
     max_request_length: int = Field(
         40, gt=0, description="MB", **_spec("ServerConfig", "maxRequestLength", "MAX_REQUEST_LENGTH")
     )
@@ -493,16 +522,27 @@ class Settings(BaseSettings):
         **_spec("ServerConfig", "timedHealthCacheSeconds", "TIMED_HEALTH_CACHE_SECONDS"),
     )
     claim_idle_seconds: float = Field(
-        30.0, gt=0, **_spec("BackendConfig", "claimIdleSeconds", "CLAIM_IDLE_SECONDS")
+        30.0, gt=0, description="when live workers take over a dead worker's jobs",
+        **_spec("BackendConfig", "claimIdleSeconds", "CLAIM_IDLE_SECONDS")
     )
-    max_deliveries: int = Field(3, gt=0, **_spec("BackendConfig", "maxDeliveries", "MAX_DELIVERIES"))
+    max_deliveries: int = Field(
+        3, gt=0, description="how often a job is tried",
+        **_spec("BackendConfig", "maxDeliveries", "MAX_DELIVERIES"),
+    )
     shutdown_grace_seconds: float = Field(
-        30.0, ge=0, **_spec("ServerConfig", "shutdownGraceSeconds", "SHUTDOWN_GRACE_SECONDS")
+        30.0, ge=0, description="open requests' time to finish when a pod stops",
+        **_spec("ServerConfig", "shutdownGraceSeconds", "SHUTDOWN_GRACE_SECONDS")
     )
 
     # Operations
-    log_format: Literal["text", "json"] = Field("text", **_spec("LogConfig", "logFormat", "LOG_FORMAT"))
-    log_level: str = Field("INFO", **_spec("LogConfig", "logLevel", "LOG_LEVEL"))
+    log_format: Literal["text", "json"] = Field(
+        "text", description="text, or json (one object per line)",
+        **_spec("LogConfig", "logFormat", "LOG_FORMAT"),
+    )
+    log_level: str = Field(
+        "INFO", description="a logging level in any case; MindIE's Verbose is DEBUG",
+        **_spec("LogConfig", "logLevel", "LOG_LEVEL"),
+    )
     worker_metrics_port: int = Field(
         0, ge=0, le=65535, description="0: off", **_spec("BackendConfig", "workerMetricsPort", "WORKER_METRICS_PORT")
     )
@@ -512,7 +552,10 @@ class Settings(BaseSettings):
     )
 
     # Worker engine (README "Engines")
-    engine: EngineName = Field("transformers", **_spec("BackendConfig", "engine", "ENGINE"))
+    engine: EngineName = Field(
+        "transformers", description="the workers' engine",
+        **_spec("BackendConfig", "engine", "ENGINE"),
+    )
     trust_remote_code: bool = Field(
         False, description="run the model folder's own Python code (Hugging Face trust_remote_code)",
         **_spec("BackendConfig", "trustRemoteCode", "TRUST_REMOTE_CODE"),
@@ -521,20 +564,29 @@ class Settings(BaseSettings):
         default_factory=dict, description="further vllm.EngineArgs fields for the vllm engine (a JSON object)",
         **_spec("BackendConfig", "vllmEngineArgs", "VLLM_ENGINE_ARGS"),
     )
-    device: str = Field("cpu", **_spec("BackendConfig", "device", "DEVICE"))
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        "float32", **_spec("BackendConfig", "dtype", "DTYPE")
+    device: str = Field(
+        "cpu", description="worker device: cpu, cuda[:n], npu[:n]",
+        **_spec("BackendConfig", "device", "DEVICE"),
     )
-    max_batch_size: int = Field(32, gt=0, **_spec("ScheduleConfig", "maxBatchSize", "MAX_BATCH_SIZE"))
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "float32", description="the model's dtype (vLLM's half and float too)",
+        **_spec("BackendConfig", "dtype", "DTYPE")
+    )
+    max_batch_size: int = Field(
+        32, gt=0, description="running requests per worker (vLLM's max_num_seqs)",
+        **_spec("ScheduleConfig", "maxBatchSize", "MAX_BATCH_SIZE"),
+    )
     max_prefill_tokens: int = Field(
-        8192, gt=0, **_spec("ScheduleConfig", "maxPrefillTokens", "MAX_PREFILL_TOKENS", "MAX_BATCH_PREFILL_TOKENS")
+        8192, gt=0, description="prompt tokens per prefill pass",
+        **_spec("ScheduleConfig", "maxPrefillTokens", "MAX_PREFILL_TOKENS", "MAX_BATCH_PREFILL_TOKENS")
     )
     max_prefill_batch_size: int = Field(
         8, ge=0, description="0: maxBatchSize (MindIE's rule)",
         **_spec("ScheduleConfig", "maxPrefillBatchSize", "MAX_PREFILL_BATCH_SIZE"),
     )
     max_batch_total_tokens: int = Field(
-        65536, gt=0, **_spec("ScheduleConfig", "maxBatchTotalTokens", "MAX_BATCH_TOTAL_TOKENS")
+        65536, gt=0, description="KV budget per worker, in tokens (both engines)",
+        **_spec("ScheduleConfig", "maxBatchTotalTokens", "MAX_BATCH_TOTAL_TOKENS")
     )
     cpu_threads_bind: str = Field(
         "auto", description="a CPU worker's torch threads (built-in engine): auto (its share of the usable cores but "
@@ -553,7 +605,8 @@ class Settings(BaseSettings):
         "the worker starts: faster passes, a longer start", **_spec("BackendConfig", "compileModel", "COMPILE_MODEL"),
     )
     worker_pool: str = Field(
-        "cpu", pattern=r"^[A-Za-z0-9_-]+$", **_spec("BackendConfig", "workerPool", "WORKER_POOL")
+        "cpu", pattern=r"^[A-Za-z0-9_-]+$", description="pool label in the worker's consumer name",
+        **_spec("BackendConfig", "workerPool", "WORKER_POOL")
     )
 
     @field_validator("device")

@@ -4,6 +4,7 @@ several models at once: workers pick one, API pods serve them all."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -19,7 +20,7 @@ from api.app import create_app
 from api.pipeline import GenerationRequest
 from common import keys
 from common.protocol import Finish, TokenEvent, TokenInfo
-from common.settings import ConfigError, ModelEntry, Settings, flatten_config, load_settings
+from common.settings import ConfigError, ModelEntry, Settings, env_names, flatten_config, load_settings
 from tests.fakes import FakeSubmission, patch_submit
 
 REPO = Path(__file__).resolve().parents[1]
@@ -274,3 +275,14 @@ def test_the_api_pod_serves_every_listed_model(
 def test_settings_constructed_directly_keep_working(tiny_model_path: Path) -> None:
     settings = Settings(model_path=tiny_model_path, model_name="m")
     assert [entry.name for entry in settings.served_models] == ["m"]
+
+
+def test_every_setting_is_described_and_in_the_readme_table() -> None:
+    """Each setting says what it is (its field's description) and has its row in the README's configuration
+    table, under its env var (a row may name two: ``HOST`` / ``PORT``)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme.split("\n## Configuration\n", 1)[1].split("\n### ", 1)[0]
+    documented = {name for row in re.findall(r"^\| ([^|]+) \|", table, re.MULTILINE)
+                  for name in re.findall(r"`([A-Z][A-Z0-9_]+)`", row)}
+    assert [name for name, field in Settings.model_fields.items() if not field.description] == []
+    assert [env_names(name)[0] for name in Settings.model_fields if env_names(name)[0] not in documented] == []
