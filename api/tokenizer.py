@@ -42,8 +42,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer
 
+from common.chat_template import CHAT_TEMPLATE_EXTENSIONS
 from common.model_files import ModelUnavailable, optional_model_file
-from common.settings import CHAT_TEMPLATE_EXTENSIONS
 
 # transformers' named special tokens (PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES), in its order.
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
