@@ -17,7 +17,8 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from api.pipeline import (
+from api.ranges import Integer, in_range, stop_schema, text_schema
+from api.rules import (
     MAX_INPUT_CHARS,
     MAX_STOP_CHARS,
     MAX_STOP_ITEMS,
@@ -27,7 +28,6 @@ from api.pipeline import (
     validate_adapter_id,
     validate_stop,
 )
-from api.ranges import Integer, in_range, stop_schema, text_schema
 from common.protocol import ADAPTER_NAME_PATTERN
 
 INPUT_NAME = "input0"

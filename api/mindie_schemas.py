@@ -14,15 +14,8 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from api.openai_schemas import FrequencyPenalty, PresencePenalty, StopTokenIds, VllmRepetitionPenalty, VllmTopP
-from api.pipeline import (
-    MAX_INPUT_CHARS,
-    MAX_STOP_CHARS,
-    MAX_STOP_ITEMS,
-    check_text,
-    check_token_ids,
-    validate_stop,
-)
 from api.ranges import Integer, WholeNumbers, in_range, stop_schema, text_schema
+from api.rules import MAX_INPUT_CHARS, MAX_STOP_CHARS, MAX_STOP_ITEMS, check_text, check_token_ids, validate_stop
 from api.tgi_schemas import (
     UINT32_MAX_PARAM,
     UINT64_MAX,

@@ -31,7 +31,8 @@ from pydantic import (
 from pydantic.json_schema import JsonDict
 
 from api.media import MediaSource
-from api.pipeline import (
+from api.ranges import Integer, WholeNumbers, in_range, stop_schema, text_json_schema
+from api.rules import (
     MAX_INPUT_CHARS,
     MAX_STOP_CHARS,
     MAX_STOP_ITEMS,
@@ -39,7 +40,6 @@ from api.pipeline import (
     validate_stop,
     validate_stop_token_ids,
 )
-from api.ranges import Integer, WholeNumbers, in_range, stop_schema, text_json_schema
 from common.protocol import ADAPTER_NAME_PATTERN, MediaKind
 
 OPENAI_MAX_STOP = 4  # OpenAI's cap on stop sequences, stricter than the pipeline's

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,8 +26,6 @@ from common import keys
 from common.connection import REDIS_ERRORS, as_text, publish, publish_command
 from common.logs import bind_request_id
 from common.protocol import (
-    ADAPTER_NAME_PATTERN,
-    ADAPTER_NAME_RULE,
     DEFAULT_PRIORITY,
     AdapterRef,
     Control,
@@ -44,15 +41,6 @@ from common.protocol import (
 )
 
 log = logging.getLogger(__name__)
-
-REQUEST_ID_REGEX = r"^[a-zA-Z0-9_-]{1,256}$"  # a client's request id (KServe `id`, TGI `x-request-id`)
-REQUEST_ID_PATTERN = re.compile(REQUEST_ID_REGEX)
-MAX_INPUT_CHARS = 4 * 1024 * 1024  # SPEC.md: a text prompt has at most 4 MiB of characters
-# SPEC.md's limits on stop strings, the same on every route that takes them.
-MAX_STOP_ITEMS = 1024
-MAX_STOP_CHARS = 1024
-MAX_STOP_TOTAL_CHARS = 32768
-
 
 class PipelineError(Exception):
     """A request the pipeline could not complete. ``error_type`` says why; each adapter maps it to its
@@ -84,59 +72,6 @@ class GenerationResult(BaseModel):
     tokens: list[TokenInfo]
     finish: Finish
     duration: float = Field(0.0, ge=0, description="seconds from queueing to the last token, as this pod saw them")
-
-
-def check_text(field: str, value: str) -> str:
-    """Reject text that is not valid Unicode (a JSON escape like "\\ud800" yields a lone surrogate), which
-    neither the tokenizer nor the job's JSON could carry."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError(f"`{field}` must be valid Unicode text: it contains an unpaired surrogate") from None
-    return value
-
-
-def check_token_ids(field: str, value: list[int]) -> list[int]:
-    """Reject a negative token id (the vocabulary bound is the pipeline's check, which knows the model)."""
-    bad = next((i for i in value if i < 0), None)
-    if bad is not None:
-        raise ValueError(f"`{field}` must be token ids, >= 0. Given: {bad}")
-    return value
-
-
-NO_ADAPTER = "None"  # SPEC.md: adapter_id's default, the base model
-
-
-def validate_adapter_id(value: str | None) -> str | None:
-    """``adapter_id`` as TGI and KServe take it: None (unset, or the seed's "None") for the base model, else a
-    name in the adapter name rule; whether it is loaded is the pipeline's check."""
-    if value is None or value == NO_ADAPTER:
-        return None
-    if not re.match(ADAPTER_NAME_PATTERN, value):
-        raise ValueError(f"`adapter_id` must be {ADAPTER_NAME_RULE}. Given: {value!r}")
-    return value
-
-
-def validate_stop_token_ids(value: list[int] | None) -> list[int] | None:
-    """``stop_token_ids`` (vLLM's field, on the OpenAI and vLLM-dialect routes): at most as many as stop strings,
-    each a token id (the vocabulary bound is the pipeline's check)."""
-    if value is not None and len(value) > MAX_STOP_ITEMS:
-        raise ValueError(f"`stop_token_ids` supports up to {MAX_STOP_ITEMS} ids. Given: {len(value)}")
-    return None if value is None else check_token_ids("stop_token_ids", value)
-
-
-def validate_stop(value: list[str] | str | None) -> list[str]:
-    """The stop strings as a list (a string is one item, null or [] none), within SPEC.md's limits."""
-    stops = [check_text("stop", value)] if isinstance(value, str) else [check_text("stop", s) for s in value or []]
-    if len(stops) > MAX_STOP_ITEMS:
-        raise ValueError(f"`stop` supports up to {MAX_STOP_ITEMS} stop sequences. Given: {len(stops)}")
-    for item in stops:
-        if not 1 <= len(item) <= MAX_STOP_CHARS:
-            raise ValueError(f"each `stop` sequence must have 1 to {MAX_STOP_CHARS} characters. Given: {len(item)}")
-    total = sum(len(item) for item in stops)
-    if total > MAX_STOP_TOTAL_CHARS:
-        raise ValueError(f"`stop` sequences must total at most {MAX_STOP_TOTAL_CHARS} characters. Given: {total}")
-    return stops
 
 
 async def unready_reason(ctx: ServerContext) -> str | None:

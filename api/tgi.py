@@ -19,15 +19,8 @@ from api.context import ServerContext, get_ctx
 from api.errors import OpenApiResponses, ProtocolError, error_route_class
 from api.health import HealthResponse, health_response, model_states
 from api.inference import InferenceRequest, Protocol, generate, resolve, submit
-from api.pipeline import (
-    MAX_STOP_ITEMS,
-    REQUEST_ID_PATTERN,
-    REQUEST_ID_REGEX,
-    GenerationRequest,
-    GenerationResult,
-    PipelineError,
-    unready_reason,
-)
+from api.pipeline import GenerationRequest, GenerationResult, PipelineError, unready_reason
+from api.rules import MAX_STOP_ITEMS, REQUEST_ID_PATTERN, REQUEST_ID_REGEX
 from api.sse import event_stream
 from api.tgi_schemas import (
     InfoModel,

@@ -11,15 +11,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from api.media import MediaSource
-from api.pipeline import (
-    MAX_INPUT_CHARS,
-    MAX_STOP_CHARS,
-    MAX_STOP_ITEMS,
-    check_text,
-    validate_adapter_id,
-    validate_stop,
-)
 from api.ranges import Integer, in_range, stop_schema, text_schema
+from api.rules import MAX_INPUT_CHARS, MAX_STOP_CHARS, MAX_STOP_ITEMS, check_text, validate_adapter_id, validate_stop
 from common.protocol import ADAPTER_NAME_PATTERN, FinishReason, MediaKind
 
 UINT32_MAX_PARAM = 2147483647
