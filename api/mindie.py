@@ -85,8 +85,8 @@ from api.mindie_schemas import (
     VLLMGenerateRequest,
     VLLMGenerateResponse,
 )
-from api.openai import GREEDY_TEMPERATURE
 from api.pipeline import GenerationRequest, PipelineError, Submission, unready_reason
+from api.rules import GREEDY_TEMPERATURE
 from api.sse import event_stream
 from api.tgi import TGI, render_tgi_error
 from api.tgi_schemas import TGIGenerateResponse

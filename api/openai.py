@@ -54,11 +54,11 @@ from api.openai_schemas import (
     Usage,
 )
 from api.pipeline import GenerationRequest, PipelineError
+from api.rules import GREEDY_TEMPERATURE
 from api.sse import event_stream
 from common.protocol import Finish, TokenEvent
 
 OWNED_BY = "ferry"
-GREEDY_TEMPERATURE = 1e-5  # vLLM's threshold: a lower temperature is greedy decoding
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DONE = "[DONE]"
 FINISH_REASONS: dict[str, OpenAIFinishReason] = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}

@@ -8,6 +8,7 @@ import re
 
 from common.protocol import ADAPTER_NAME_PATTERN, ADAPTER_NAME_RULE
 
+GREEDY_TEMPERATURE = 1e-5  # vLLM's threshold, on its OpenAI and vLLM-dialect routes: a lower temperature is greedy
 REQUEST_ID_REGEX = r"^[a-zA-Z0-9_-]{1,256}$"  # a client's request id (KServe `id`, TGI `x-request-id`)
 REQUEST_ID_PATTERN = re.compile(REQUEST_ID_REGEX)
 MAX_INPUT_CHARS = 4 * 1024 * 1024  # SPEC.md: a text prompt has at most 4 MiB of characters
