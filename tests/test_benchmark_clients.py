@@ -16,8 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import Stack, start_stack, stop_stack
-from tests.test_engine_contract import require_vllm
+from tests.helpers import Stack, require_vllm, start_stack, stop_stack
 
 ROUTES = ["/v1/completions", "/v1/chat/completions"]
 REQUESTS = 3

@@ -22,9 +22,8 @@ import yaml
 
 from api.app import create_app
 from common.settings import Settings
-from tests.conftest import free_port
+from tests.helpers import REPO, dockerfile, env_vars, free_port
 
-REPO = Path(__file__).resolve().parents[1]
 FERRY_SERVICES = ("model", "api", "worker", "worker-cuda", "worker-npu")
 WORKERS = ("worker", "worker-cuda", "worker-npu")
 
@@ -39,10 +38,6 @@ def scripts() -> set[str]:
     return set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"])
 
 
-def env_vars() -> set[str]:
-    """Every environment variable a Ferry process reads."""
-    declared = {str(field.json_schema_extra["env"]) for field in Settings.model_fields.values()}  # type: ignore[index]
-    return declared | {"FERRY_CONFIG", "FERRY_HOME", "FERRY_RUN_DIR"}
 
 
 def test_the_stack_has_its_services(services: dict[str, Any]) -> None:
@@ -124,11 +119,6 @@ def test_services_wait_for_redis_and_the_model(services: dict[str, Any]) -> None
 # --------------------------------------------------------------------------------------------- the image
 
 
-def dockerfile() -> list[tuple[str, str]]:
-    """The Dockerfile's instructions as (INSTRUCTION, arguments), continued lines joined, comments left out."""
-    text = re.sub(r"\\\n", " ", (REPO / "Dockerfile").read_text())
-    lines = [line.strip() for line in text.splitlines()]
-    return [(line.split(None, 1)[0], line.split(None, 1)[1]) for line in lines if line and not line.startswith("#")]
 
 
 def instruction_index(instructions: list[tuple[str, str]], name: str, fragment: str) -> int:

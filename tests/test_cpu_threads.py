@@ -18,7 +18,7 @@ import pytest
 from pydantic import ValidationError
 
 from common.settings import Settings, parse_core_list
-from tests.conftest import start_stack, stop_stack, wait_for
+from tests.helpers import start_stack, stop_stack, wait_for
 from worker.cpu_threads import CoreClaim, auto_cores, claim_cores, launched_worker_cores
 
 REPO = Path(__file__).resolve().parent.parent

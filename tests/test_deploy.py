@@ -25,7 +25,7 @@ from api.metrics import ApiMetrics
 from common.cluster import ModelState
 from common.protocol import Finish
 from common.settings import Settings, load_settings
-from tests.test_compose import REPO, dockerfile, env_vars
+from tests.helpers import REPO, dockerfile, env_vars
 from worker.metrics import WorkerMetrics
 
 K8S = REPO / "deploy" / "k8s"

@@ -14,7 +14,7 @@ import tritonclient.http as triton
 from transformers import AutoTokenizer
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import Stack, start_stack, stop_stack
+from tests.helpers import Stack, start_stack, stop_stack
 from tests.sse import sse_data
 
 PROMPT = "def main("

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from common.protocol import SamplingParams
-from tests.conftest import free_port, start_stack, stop_stack
+from tests.helpers import free_port, start_stack, stop_stack
 from worker.attention import use_padded_attention
 from worker.batch import DecodeBatch, ForwardArgs
 from worker.cpu_linear import use_packed_linear

@@ -25,8 +25,8 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.conftest import CHAT_TEMPLATE, Stack, start_stack, stop_stack
-from worker.tiny_model import make_tiny_lora
+from tests.helpers import Stack, start_stack, stop_stack
+from worker.tiny_model import CHAT_TEMPLATE, make_tiny_lora
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 README_HOSTS = ("localhost:8080", "127.0.0.1:8080")

@@ -50,8 +50,8 @@ from common.protocol import (
     decode_event,
 )
 from common.settings import Settings
-from tests.conftest import Stack, free_port, start_stack, stop_stack, wait_for
 from tests.fakes import one_token_submit, patch_submit
+from tests.helpers import Stack, free_port, start_stack, stop_stack, wait_for
 from worker.main import WorkerLoop
 from worker.transformers_engine import TransformersEngine
 

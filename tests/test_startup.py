@@ -30,7 +30,7 @@ import worker.main
 from common import keys
 from common.model_files import ModelUnavailable, model_file
 from common.settings import Settings
-from tests.conftest import free_port, start_stack, stop_stack, wait_for
+from tests.helpers import free_port, start_stack, stop_stack, wait_for
 from worker.engine import EngineLoadError
 from worker.metrics import WorkerMetrics
 from worker.transformers_engine import TransformersEngine

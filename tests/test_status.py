@@ -19,7 +19,7 @@ from common.protocol import WorkerStatus
 from common.run_files import ServerRecord, running_servers, server_run_file, try_lock
 from common.settings import Settings
 from common.status import local_server_redis, main, read_status, render
-from tests.conftest import Stack
+from tests.helpers import Stack
 
 
 def status_json(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

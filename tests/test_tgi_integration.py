@@ -12,7 +12,7 @@ from huggingface_hub import InferenceClient
 from text_generation import AsyncClient, Client
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.conftest import Stack
+from tests.helpers import Stack
 from tests.sse import sse_data
 
 PROMPT = "def main("

@@ -16,8 +16,7 @@ from huggingface_hub import InferenceClient
 from text_generation import Client
 
 from openai import OpenAI
-from tests.conftest import Stack, start_stack, stop_stack
-from tests.test_engine_contract import VLLM_ARGS, require_vllm
+from tests.helpers import VLLM_ARGS, Stack, require_vllm, start_stack, stop_stack
 
 PROMPT = "def main("
 
