@@ -29,6 +29,19 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("COMPILE_MODEL", "false")
 
 
+# The fixtures that start processes: a real Redis (started when none answers) and the served stacks on it
+PROCESS_FIXTURES = frozenset({"redis_url", "redis_cluster_url", "stack", "tgi_int_stack"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark ``integration`` every test that takes a process-starting fixture, directly or through another: the
+    modules mark the tests that start processes themselves (``pytestmark``), and this catches the rest, so that
+    ``make test-fast`` (``-m "not integration"``) never waits on a served stack."""
+    for item in items:
+        if PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tests' run dir (FERRY_RUN_DIR, common/run_files.py), inherited by every process they start: their

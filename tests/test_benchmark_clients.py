@@ -18,6 +18,8 @@ import pytest
 
 from tests.helpers import Stack, require_vllm, start_stack, stop_stack
 
+pytestmark = pytest.mark.integration  # every test here serves a stack of API and worker processes
+
 ROUTES = ["/v1/completions", "/v1/chat/completions"]
 REQUESTS = 3
 OUTPUT_TOKENS = 8

@@ -138,6 +138,7 @@ def test_the_image_runs_as_an_unprivileged_user_owning_ferry_home() -> None:
     assert created < users[-1] and f"chown ferry {home.group(1)}" in instructions[created][1]
 
 
+@pytest.mark.integration  # runs the image's commands as processes
 def test_dependencies_install_in_a_layer_before_the_source() -> None:
     """Editing the code must not reinstall the dependencies: they install from pyproject.toml alone, and the
     project itself without them once the source is in."""
@@ -162,6 +163,7 @@ def healthcheck_command() -> list[str]:
     return [sys.executable, *command[1:]]
 
 
+@pytest.mark.integration  # runs the image's commands as processes
 def test_the_healthcheck_passes_on_a_serving_pod_and_fails_without_one(tiny_model_path: Path) -> None:
     """Run as Docker would (PORT from the image's environment) against a real API pod, then against none."""
     port = free_port()

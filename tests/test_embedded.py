@@ -20,6 +20,8 @@ import redis
 
 from tests.helpers import free_port, wait_for, wait_healthy
 
+pytestmark = pytest.mark.integration  # the servers and Redis here run as processes
+
 GRACE_SECONDS = 2  # SHUTDOWN_GRACE_SECONDS of the servers started here
 needs_redis_server = pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server on PATH")
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; parent-death signal")

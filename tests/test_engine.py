@@ -281,6 +281,7 @@ def test_trust_remote_code_loads_a_model_with_its_own_code(remote_code_model: Pa
     assert token_ids(run(engine, {0: [job]})[job.request_id]) == greedy_reference(model, job.input_ids, 6)
 
 
+@pytest.mark.integration  # starts a worker process
 def test_a_model_that_cannot_load_stops_the_worker_with_one_line(
     remote_code_model: Path, tiny_model_path: Path, tmp_path: Path
 ) -> None:

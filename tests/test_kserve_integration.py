@@ -17,6 +17,8 @@ from tritonclient.utils import InferenceServerException
 from tests.helpers import Stack, start_stack, stop_stack
 from tests.sse import sse_data
 
+pytestmark = pytest.mark.integration  # every test here serves a stack of API and worker processes
+
 PROMPT = "def main("
 
 

@@ -152,6 +152,7 @@ def test_models_it_does_not_reproduce_keep_their_forward(model_type: str, overri
     assert LlamaStep.of(model) is None and ForwardArgs.of(model).step is None
 
 
+@pytest.mark.integration  # compiles the step (torch.compile): tens of seconds
 @pytest.mark.parametrize("model_type,overrides", [
     ("llama", {}),
     ("qwen2", {"num_key_value_heads": 4}),  # biased q/k/v products, multi-head attention

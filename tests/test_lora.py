@@ -29,6 +29,8 @@ from tests.helpers import VLLM_ARGS, Stack, require_vllm, start_stack, stop_stac
 from tests.sse import sse_data
 from worker.tiny_model import make_tiny_lora
 
+pytestmark = pytest.mark.integration  # every test here serves a stack of API and worker processes
+
 PROMPT = "def main("
 NEW_TOKENS = 8
 # The seed's text example (text-stream-infer-api), its parameters as given, with a real adapter.

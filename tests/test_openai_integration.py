@@ -21,6 +21,8 @@ from openai import AsyncOpenAI, OpenAI
 from tests.helpers import Stack, start_stack, stop_stack
 from worker.tiny_model import CHAT_TEMPLATE
 
+pytestmark = pytest.mark.integration  # every test here serves a stack of API and worker processes
+
 PROMPT = "def main("
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Write a function."}]
 MAX_TOKENS = 16

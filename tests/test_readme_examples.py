@@ -28,6 +28,8 @@ from transformers import AutoTokenizer
 from tests.helpers import Stack, start_stack, stop_stack
 from worker.tiny_model import CHAT_TEMPLATE, make_tiny_lora
 
+pytestmark = pytest.mark.integration  # every test here serves a stack of API and worker processes
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 README_HOSTS = ("localhost:8080", "127.0.0.1:8080")
 README_MODEL = "tiny-llama"

@@ -27,6 +27,8 @@ from tests.redis_cluster import ThreeMasters
 from tests.redis_cluster import three_masters as make_three_masters
 from tests.stack_checks import check_every_protocol, check_ferry_status, check_stop_order_and_lora_registry
 
+pytestmark = pytest.mark.integration  # the servers and Redis here run as processes
+
 
 @pytest.fixture(scope="module")
 def three_masters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreeMasters]:

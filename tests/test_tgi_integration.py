@@ -15,6 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tests.helpers import Stack
 from tests.sse import sse_data
 
+pytestmark = pytest.mark.integration  # every test here serves a stack of API and worker processes
+
 PROMPT = "def main("
 
 

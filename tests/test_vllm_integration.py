@@ -18,6 +18,8 @@ from text_generation import Client
 from openai import OpenAI
 from tests.helpers import VLLM_ARGS, Stack, require_vllm, start_stack, stop_stack
 
+pytestmark = pytest.mark.integration  # every test here serves a stack of API and worker processes
+
 PROMPT = "def main("
 
 
