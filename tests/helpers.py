@@ -165,8 +165,7 @@ PROMPTS = [
     "数据结构与算法",
     "for i in range(10):\n    print(i)",
 ]
-# the vLLM engine starts processes of its own: integration (tests/conftest.py)
-ENGINES = ["transformers", pytest.param("vllm", marks=pytest.mark.integration)]
+ENGINES = ["transformers", "vllm"]
 # vLLM on the tiny model: no compilation (tests would spend ~20 s more per engine start); the engine's KV cache
 # holds maxBatchTotalTokens (worker/vllm_engine.py)
 VLLM_ARGS = {"enforce_eager": True}

@@ -75,6 +75,7 @@ def outcomes() -> Iterator[Counter[str]]:
     print(f"\nbatch isolation fuzz: {sum(tally.values())} cases: {dict(tally)}")
 
 
+@pytest.mark.integration  # a real engine's forward passes, for every poison
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(poison=poisons, joins=st.sampled_from([0, 2]), prompt=st.integers(0, 2))
 def test_a_request_whose_numbers_go_bad_fails_alone(

@@ -17,6 +17,8 @@ from tests.helpers import run_complete as run  # the built-in engine fails no re
 from worker.attention import PADDED_SDPA
 from worker.transformers_engine import TransformersEngine
 
+pytestmark = pytest.mark.integration  # a real model's forward passes, checked against references
+
 
 @pytest.fixture(scope="module")
 def model(tiny_model_path: Path) -> PreTrainedModel:
@@ -281,7 +283,6 @@ def test_trust_remote_code_loads_a_model_with_its_own_code(remote_code_model: Pa
     assert token_ids(run(engine, {0: [job]})[job.request_id]) == greedy_reference(model, job.input_ids, 6)
 
 
-@pytest.mark.integration  # starts a worker process
 def test_a_model_that_cannot_load_stops_the_worker_with_one_line(
     remote_code_model: Path, tiny_model_path: Path, tmp_path: Path
 ) -> None:

@@ -22,6 +22,8 @@ from common.settings import Settings
 from tests.helpers import ENGINES, VLLM_ARGS, collect, make_job, require_vllm, run, token_ids
 from worker.engine import Engine, RequestRefused, RequestState, load_engine
 
+pytestmark = pytest.mark.integration  # a real model's forward passes, checked against references
+
 # The lengths the greedy references are made for (prompt index -> max_new_tokens)
 LENGTHS = [12, 30, 7, 25, 18, 3, 40, 22]
 # -- the model and the references ---------------------------------------------------------------------

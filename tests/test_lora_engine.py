@@ -29,6 +29,8 @@ from worker.engine import Engine, RequestRefused, load_engine
 from worker.tiny_model import make_tiny_lora
 from worker.transformers_engine import TransformersEngine
 
+pytestmark = pytest.mark.integration  # a real model's forward passes, checked against references
+
 NEW_TOKENS = 12
 
 
