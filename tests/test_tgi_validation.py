@@ -483,12 +483,14 @@ async def test_stop_accepted_forms_and_edges(ctx, stop, expected):
 
 @pytest.mark.parametrize("value", ["None", None])
 async def test_adapter_id_none_accepted(ctx, value):
-    await resolve(ctx, body_with(adapter_id=value))
+    assert (await resolve(ctx, body_with(adapter_id=value))).adapter is None  # the base model
 
 
 @pytest.mark.parametrize("value", [None, 1])
 async def test_best_of_null_or_1_accepted(ctx, value):
-    await resolve(ctx, body_with(best_of=value))
+    """One sequence is what every request gets: best_of null or 1 is the request without it (the same seed, as
+    an unseeded request draws its own)."""
+    assert await resolve(ctx, body_with(best_of=value, seed=1)) == await resolve(ctx, body_with(seed=1))
 
 
 @pytest.mark.parametrize("field", ["details", "return_full_text", "watermark", "decoder_input_details"])
