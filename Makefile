@@ -14,7 +14,7 @@ BIN := $(VENV)/bin
 # The workers' engine for `make serve` (ferry-server --engine); empty: the ENGINE setting's default, transformers
 ENGINE ?=
 
-.PHONY: serve lint test bench bench-engines
+.PHONY: serve lint test test-fast bench bench-engines
 
 $(BIN)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,10 @@ lint: $(BIN)/.test
 
 test: lint
 	$(BIN)/python -m pytest $(ARGS)
+
+# The unit half: every test not marked integration (none starts a process, a Redis or vLLM; tests/conftest.py)
+test-fast: lint
+	$(BIN)/python -m pytest -m "not integration" $(ARGS)
 
 # The serving benchmark (bench/serve_bench.py; bench/RESULTS.md): writes bench/out/. ARGS="--help" lists its options.
 bench: $(BIN)/.test

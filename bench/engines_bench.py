@@ -92,7 +92,7 @@ from common.settings import Settings, default_model_dir  # noqa: E402
 from loadgen import COMPLETIONS_ROUTE, RequestRecord, completion_body, run_level, summarize  # noqa: E402
 from serve_bench import Workload, _ms, _table, deploy, in_process, machine_facts, model_without_eos  # noqa: E402
 from server.embedded import embedded_redis  # noqa: E402
-from tests.conftest import free_port, wait_healthy  # noqa: E402
+from tests.helpers import free_port, wait_healthy  # noqa: E402
 from worker.cpu_threads import auto_cores  # noqa: E402
 from worker.tiny_model import ensure_tiny_model  # noqa: E402
 from worker.transformers_engine import TransformersEngine  # noqa: E402

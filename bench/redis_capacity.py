@@ -39,7 +39,7 @@ sys.path.insert(0, str(BENCH.parent))
 
 from common import keys  # noqa: E402
 from common.protocol import Job, SamplingParams, TokenEvent, TokenInfo  # noqa: E402
-from tests.conftest import free_port  # noqa: E402
+from tests.helpers import free_port  # noqa: E402
 
 TOKEN_EVENT = TokenEvent(index=57, token=TokenInfo(id=12345, text=" token", logprob=-1.2345678, special=False))
 JOB = Job(request_id="0123456789abcdef0123456789abcdef.0123456789ab", model="llama-8b",

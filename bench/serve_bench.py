@@ -61,7 +61,7 @@ from common.protocol import ErrorEvent, Job, SamplingParams  # noqa: E402
 from common.settings import Settings, default_model_dir  # noqa: E402
 from loadgen import COLLECT_ROUTE, STREAM_ROUTE, RequestRecord, run_level, summarize, tgi_body  # noqa: E402
 from server.embedded import embedded_redis  # noqa: E402
-from tests.conftest import Stack, free_port, stop_stack, wait_healthy  # noqa: E402
+from tests.helpers import Stack, free_port, stop_stack, wait_healthy  # noqa: E402
 from worker.tiny_model import ensure_tiny_model  # noqa: E402
 from worker.transformers_engine import TransformersEngine  # noqa: E402
 

@@ -1,25 +1,23 @@
-"""Shared fixtures: the tiny model, a real Redis, and a served stack of separate API and worker processes."""
+"""Shared fixtures: the tiny model (as served too), a real Redis, and served stacks of API and worker processes."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import socket
 import subprocess
-import sys
 import time
-import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 import redis
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from worker.tiny_model import CHAT_TEMPLATE, ensure_tiny_model, make_tiny_vlm  # CHAT_TEMPLATE: for chat tests
+from tests.helpers import PROMPTS, Stack, free_port, start_stack, stop_stack
+from worker.attention import PADDED_SDPA, use_padded_attention
+from worker.cpu_linear import use_packed_linear
+from worker.tiny_model import CHAT_TEMPLATE, ensure_tiny_model, make_tiny_vlm
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -27,8 +25,21 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 def pytest_configure(config: pytest.Config) -> None:
     """The tests' workers and engines run eagerly, as vLLM's CPU tests run without torch.compile: compiling
     takes 30 s or more per worker start. tests/test_llama_step.py tests the compiled passes, in-process and in a
-    worker. (A hook, not an import-time setting: the benches import this module's helpers.)"""
+    worker. (A hook, not an import-time setting: only a test session sets it.)"""
     os.environ.setdefault("COMPILE_MODEL", "false")
+
+
+# The fixtures that start processes: a real Redis (started when none answers) and the served stacks on it
+PROCESS_FIXTURES = frozenset({"redis_url", "redis_cluster_url", "stack", "tgi_int_stack"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark ``integration`` every test that takes a process-starting fixture, directly or through another: the
+    modules mark the tests that start processes themselves (``pytestmark``), and this catches the rest, so that
+    ``make test-fast`` (``-m "not integration"``) never waits on a served stack."""
+    for item in items:
+        if PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -53,6 +64,27 @@ def tiny_vlm_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tokenizer(tiny_model_path: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture(scope="session")
+def prompts(tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
+    """:data:`tests.helpers.PROMPTS`, tokenized."""
+    return [tokenizer(text).input_ids for text in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_path: Path) -> PreTrainedModel:
+    """The model as ``Engine.load`` prepares it (padded-batch SDPA attention, oneDNN-packed linear layers)."""
+    served = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    use_padded_attention(served)
+    assert served.config._attn_implementation == PADDED_SDPA
+    assert use_packed_linear(served) > 0
+    return served
+
+
+@pytest.fixture(scope="session")
 def chat_model_path(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A copy of the tiny model whose tokenizer has :data:`CHAT_TEMPLATE`."""
     path = tmp_path_factory.mktemp("models") / "tiny-llama-chat"
@@ -61,24 +93,6 @@ def chat_model_path(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFact
     config = json.loads(config_file.read_text())
     config_file.write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    """Poll ``condition`` until it returns something truthy; fail the test after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
 
 
 def _reachable(url: str) -> bool:
@@ -123,81 +137,6 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     yield url
     proc.terminate()
     proc.wait(timeout=10)
-
-
-@dataclass
-class Stack:
-    """A running API process and worker process(es) sharing one Redis."""
-
-    base_url: str
-    model_name: str
-    redis_url: str
-    env: dict[str, str]
-    processes: list[subprocess.Popen[bytes]]
-
-
-def wait_healthy(base_url: str, processes: list[subprocess.Popen[bytes]], timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for proc in processes:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{base_url} did not become healthy")
-
-
-def start_stack(
-    redis_url: str, model_path: Path, log_dir: Path, extra_env: dict[str, str] | None = None, workers: int = 1,
-    health_timeout: float = 120.0,
-) -> Stack:
-    """Start ``ferry-api`` and ``ferry-worker`` as separate processes, under a model name of their own; healthy
-    within ``health_timeout`` seconds (a worker that compiles its step is healthy only once it has)."""
-    model_name = f"tiny-{uuid.uuid4().hex[:8]}"
-    port = free_port()
-    env = {
-        **os.environ,
-        "REDIS_URL": redis_url,
-        "MODEL_PATH": str(model_path),
-        "MODEL_NAME": model_name,
-        "PORT": str(port),
-        **(extra_env or {}),
-    }
-    processes = []
-    # each log is closed here once its child has its own copy of the descriptor
-    for i in range(workers):
-        with open(log_dir / f"worker{i}.log", "wb") as log:
-            processes.append(subprocess.Popen([sys.executable, "-m", "worker.main"], env=env, stdout=log, stderr=log))
-    with open(log_dir / "api.log", "wb") as log:
-        processes.append(subprocess.Popen([sys.executable, "-m", "api.main"], env=env, stdout=log, stderr=log))
-    base_url = f"http://127.0.0.1:{port}"
-    stack = Stack(base_url, model_name, redis_url, env, processes)
-    try:
-        wait_healthy(base_url, processes, health_timeout)
-    except Exception:
-        stop_stack(stack)
-        raise
-    return stack
-
-
-def stop_stack(stack: Stack) -> None:
-    for proc in stack.processes:
-        proc.terminate()
-    for proc in stack.processes:
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    cluster = stack.env.get("REDIS_CLUSTER") == "true"
-    client = (redis.RedisCluster if cluster else redis.Redis).from_url(stack.redis_url)
-    keys = list(client.scan_iter(match=f"ferry:{{{stack.model_name}}}:*"))
-    if keys:
-        client.delete(*keys)
-    client.close()
 
 
 @pytest.fixture(scope="session")

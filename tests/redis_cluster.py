@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from common import keys
-from tests.conftest import free_port, wait_for
+from tests.helpers import free_port, wait_for
 
 PASSWORD = "s3cret-for-cluster-tests"
 

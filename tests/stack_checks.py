@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.conftest import Stack
+from tests.helpers import Stack
 from tests.sse import sse_data
 
 

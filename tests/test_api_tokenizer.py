@@ -379,6 +379,7 @@ def test_model_info_uses_it(tiny_model_path: Path) -> None:
     assert isinstance(ModelInfo.load(Settings(model_path=tiny_model_path)).tokenizer, ApiTokenizer)
 
 
+@pytest.mark.integration  # starts a Python process
 def test_api_pods_import_neither_torch_nor_transformers() -> None:
     """Issue 13: they cost an API pod seconds of start-up and hundreds of MiB."""
     code = ("import sys, api.app, api.main; "

@@ -18,6 +18,8 @@ from common import keys
 from common.connection import async_client
 from common.settings import Settings
 
+pytestmark = pytest.mark.integration  # every test here runs on a real Redis and a Redis Cluster
+
 
 async def test_commands_past_the_pool_size_wait_for_a_connection_instead_of_failing(redis_url: str) -> None:
     client = async_client(Settings(model_path=Path("unused"), redis_url=redis_url), REDIS_POOL_SIZE,

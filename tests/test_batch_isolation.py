@@ -28,12 +28,17 @@ from api.app import create_app
 from common.protocol import FLOAT32_MAX, FLOAT32_TINY, MIN_DIVISOR, ErrorEvent, Job, SamplingParams
 from common.settings import Settings
 from tests.fakes import one_token_submit, patch_submit
-from tests.test_engine import make_engine, prompts, served, tokenizer  # noqa: F401 (fixtures)
-from tests.test_engine_contract import make_job, run, token_ids
-from tests.test_kserve_validation import assert_kserve_error, infer_body
-from tests.test_mindie import assert_validation_error as assert_mindie_error
-from tests.test_openai_validation import assert_openai_error
-from tests.test_tgi_validation import assert_validation_error as assert_tgi_error
+from tests.helpers import (
+    assert_kserve_error,
+    assert_mindie_error,
+    assert_openai_error,
+    assert_tgi_error,
+    infer_body,
+    make_engine,
+    make_job,
+    run,
+    token_ids,
+)
 
 FLOAT_FIELDS = [name for name, field in SamplingParams.model_fields.items() if field.annotation is float]
 # Where float32 breaks (0 and subnormals, its smallest normal, its largest, overflow), each range's ends, and
@@ -70,6 +75,7 @@ def outcomes() -> Iterator[Counter[str]]:
     print(f"\nbatch isolation fuzz: {sum(tally.values())} cases: {dict(tally)}")
 
 
+@pytest.mark.integration  # a real engine's forward passes, for every poison
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(poison=poisons, joins=st.sampled_from([0, 2]), prompt=st.integers(0, 2))
 def test_a_request_whose_numbers_go_bad_fails_alone(

@@ -16,8 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import Stack, start_stack, stop_stack
-from tests.test_engine_contract import require_vllm
+from tests.helpers import Stack, require_vllm, start_stack, stop_stack
+
+pytestmark = pytest.mark.integration  # every test here serves a stack of API and worker processes
 
 ROUTES = ["/v1/completions", "/v1/chat/completions"]
 REQUESTS = 3

@@ -22,9 +22,8 @@ import yaml
 
 from api.app import create_app
 from common.settings import Settings
-from tests.conftest import free_port
+from tests.helpers import REPO, dockerfile, env_vars, free_port
 
-REPO = Path(__file__).resolve().parents[1]
 FERRY_SERVICES = ("model", "api", "worker", "worker-cuda", "worker-npu")
 WORKERS = ("worker", "worker-cuda", "worker-npu")
 
@@ -39,10 +38,6 @@ def scripts() -> set[str]:
     return set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"])
 
 
-def env_vars() -> set[str]:
-    """Every environment variable a Ferry process reads."""
-    declared = {str(field.json_schema_extra["env"]) for field in Settings.model_fields.values()}  # type: ignore[index]
-    return declared | {"FERRY_CONFIG", "FERRY_HOME", "FERRY_RUN_DIR"}
 
 
 def test_the_stack_has_its_services(services: dict[str, Any]) -> None:
@@ -124,11 +119,6 @@ def test_services_wait_for_redis_and_the_model(services: dict[str, Any]) -> None
 # --------------------------------------------------------------------------------------------- the image
 
 
-def dockerfile() -> list[tuple[str, str]]:
-    """The Dockerfile's instructions as (INSTRUCTION, arguments), continued lines joined, comments left out."""
-    text = re.sub(r"\\\n", " ", (REPO / "Dockerfile").read_text())
-    lines = [line.strip() for line in text.splitlines()]
-    return [(line.split(None, 1)[0], line.split(None, 1)[1]) for line in lines if line and not line.startswith("#")]
 
 
 def instruction_index(instructions: list[tuple[str, str]], name: str, fragment: str) -> int:
@@ -148,6 +138,7 @@ def test_the_image_runs_as_an_unprivileged_user_owning_ferry_home() -> None:
     assert created < users[-1] and f"chown ferry {home.group(1)}" in instructions[created][1]
 
 
+@pytest.mark.integration  # runs the image's commands as processes
 def test_dependencies_install_in_a_layer_before_the_source() -> None:
     """Editing the code must not reinstall the dependencies: they install from pyproject.toml alone, and the
     project itself without them once the source is in."""
@@ -172,6 +163,7 @@ def healthcheck_command() -> list[str]:
     return [sys.executable, *command[1:]]
 
 
+@pytest.mark.integration  # runs the image's commands as processes
 def test_the_healthcheck_passes_on_a_serving_pod_and_fails_without_one(tiny_model_path: Path) -> None:
     """Run as Docker would (PORT from the image's environment) against a real API pod, then against none."""
     port = free_port()

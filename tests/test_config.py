@@ -193,6 +193,7 @@ def test_flatten_rejects_a_non_object() -> None:
         flatten_config([1])
 
 
+@pytest.mark.integration  # starts the API process
 def test_an_invalid_config_stops_start_up_with_the_key(tmp_path: Path) -> None:
     path = tmp_path / "ferry.json"
     path.write_text(json.dumps(nested(BackendConfig={"ScheduleConfig": {"maxBatchSize": -1}})))

@@ -18,7 +18,7 @@ import pytest
 from pydantic import ValidationError
 
 from common.settings import Settings, parse_core_list
-from tests.conftest import start_stack, stop_stack, wait_for
+from tests.helpers import start_stack, stop_stack, wait_for
 from worker.cpu_threads import CoreClaim, auto_cores, claim_cores, launched_worker_cores
 
 REPO = Path(__file__).resolve().parent.parent
@@ -170,6 +170,7 @@ def test_independent_workers_of_one_host_get_disjoint_affinities(redis_url: str,
     assert first | second <= set(auto_cores(usable, 2))
 
 
+@pytest.mark.integration  # starts worker processes
 def test_auto_binds_a_cpu_worker_of_the_built_in_engine() -> None:
     usable = sorted(os.sched_getaffinity(0))
     result = placed()
@@ -178,18 +179,21 @@ def test_auto_binds_a_cpu_worker_of_the_built_in_engine() -> None:
     assert result["threads"] == len(result["bound"])
 
 
+@pytest.mark.integration  # starts worker processes
 def test_auto_respects_an_operators_omp_num_threads() -> None:
     result = placed({"OMP_NUM_THREADS": "2"})
     assert result["bound"] is None
     assert result["affinity"] == sorted(os.sched_getaffinity(0)) and result["threads"] == 2
 
 
+@pytest.mark.integration  # starts worker processes
 def test_an_explicit_core_list_binds_those_cores() -> None:
     core = min(os.sched_getaffinity(0))
     result = placed(cpu_threads_bind=str(core))
     assert result["bound"] == [core] and result["affinity"] == [core] and result["threads"] == 1
 
 
+@pytest.mark.integration  # starts worker processes
 @pytest.mark.parametrize("settings", [{"cpu_threads_bind": "nobind"}, {"engine": "vllm"}, {"device": "cuda"}])
 def test_placement_is_left_alone_where_it_is_not_the_workers(settings: dict[str, str]) -> None:
     """nobind; the vllm engine (it binds its own engine core); a non-CPU device."""
@@ -197,6 +201,7 @@ def test_placement_is_left_alone_where_it_is_not_the_workers(settings: dict[str,
     assert result["bound"] is None and result["affinity"] == sorted(os.sched_getaffinity(0))
 
 
+@pytest.mark.integration  # starts worker processes
 def test_a_worker_given_cores_it_cannot_use_exits_with_one_line(tiny_model_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "FERRY_CONFIG"}
     result = subprocess.run([sys.executable, "-m", "worker.main", "--model-path", str(tiny_model_path)],

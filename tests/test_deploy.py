@@ -25,7 +25,7 @@ from api.metrics import ApiMetrics
 from common.cluster import ModelState
 from common.protocol import Finish
 from common.settings import Settings, load_settings
-from tests.test_compose import REPO, dockerfile, env_vars
+from tests.helpers import REPO, dockerfile, env_vars
 from worker.metrics import WorkerMetrics
 
 K8S = REPO / "deploy" / "k8s"
@@ -92,7 +92,8 @@ def container_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> LoadS
 @pytest.mark.parametrize(("name", "resource"), resources(),
                          ids=[f"{name}:{doc['kind']}/{doc['metadata']['name']}" for name, doc in resources()])
 def test_every_manifest_validates_against_the_kubernetes_schemas(name: str, resource: dict[str, Any]) -> None:
-    kubernetes_validate.validate(resource, KUBERNETES_VERSION, strict=True)
+    # valid (else it raises), and against the schemas of that very version, not an older one's
+    assert kubernetes_validate.validate(resource, KUBERNETES_VERSION, strict=True) == KUBERNETES_VERSION
 
 
 def test_the_schemas_catch_a_misspelt_field() -> None:

@@ -18,7 +18,9 @@ import httpx
 import pytest
 import redis
 
-from tests.conftest import free_port, wait_for, wait_healthy
+from tests.helpers import free_port, wait_for, wait_healthy
+
+pytestmark = pytest.mark.integration  # the servers and Redis here run as processes
 
 GRACE_SECONDS = 2  # SHUTDOWN_GRACE_SECONDS of the servers started here
 needs_redis_server = pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server on PATH")

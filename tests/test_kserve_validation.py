@@ -13,6 +13,7 @@ import json
 import re
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from transformers import AutoTokenizer
 from tritonclient.http import InferResult
 
 from api.app import create_app
-from api.context import ModelInfo, ServerContext
+from api.context import ServerContext
 from api.kserve import (
     infer_response,
     parse_infer_body,
@@ -33,11 +34,12 @@ from api.kserve import (
 )
 from api.kserve_schemas import KServeGenerateRequest, KServeInferRequest, SamplingParameters
 from api.pipeline import GenerationRequest, GenerationResult, PipelineError
-from api.relay import EventRelay
 from common import keys
 from common.protocol import Finish, TokenEvent, TokenInfo
 from common.settings import Settings
+from tests import helpers
 from tests.fakes import FakeSubmission, patch_submit
+from tests.helpers import LIMITS, PROMPT_IDS, assert_kserve_error, infer_body, make_ctx
 from tests.sse import sse_data
 
 MODEL = "tiny-kserve"
@@ -48,44 +50,15 @@ HEADER = "Inference-Header-Content-Length"
 U32_MAX = 2**32 - 1
 I32_MAX = 2**31 - 1
 U64_MAX = 2**64 - 1
-PROMPT_IDS = [1, 396, 319, 1399, 2987]  # < the tiny model's vocabulary of 4096
 MAX_ITER_TIMES = 64
-# Explicit limits, so an environment variable or FERRY_CONFIG of the machine cannot change what is tested.
-LIMITS = {"max_iter_times": MAX_ITER_TIMES, "max_seq_len": 2048, "max_input_token_len": 2047}
+# tests.helpers' settings, under this module's model name and iteration cap
+make_settings = partial(helpers.make_settings, model_name=MODEL, max_iter_times=MAX_ITER_TIMES)
 PLACES = ["input", "request", "top"]
 
 
 # --------------------------------------------------------------------------------------------- helpers
 
 
-def make_settings(model_path: Path, **overrides: Any) -> Settings:
-    return Settings(model_path=model_path, model_name=MODEL, **{**LIMITS, **overrides})
-
-
-def make_ctx(settings: Settings) -> ServerContext:
-    """A ServerContext built as ``api.app`` builds it (the relay is not started: nothing is queued here)."""
-    redis = fakeredis.FakeAsyncRedis()
-    return ServerContext(
-        settings=settings, redis=redis, relay=EventRelay(redis, "test-api"), model=ModelInfo.load(settings),
-        api_id="test-api",
-    )
-
-
-def infer_body(ids: list[int] | None = None, place: str = "input", **parameters: Any) -> dict[str, Any]:
-    """SPEC.md's infer request, with ``parameters`` in one of the three places a request may put them."""
-    ids = PROMPT_IDS if ids is None else ids
-    body: dict[str, Any] = {
-        "id": "42",
-        "inputs": [{"name": "input0", "shape": [1, len(ids)], "datatype": "UINT32", "data": ids}],
-        "outputs": [{"name": "output0"}],
-    }
-    if place == "input":
-        body["inputs"][0]["parameters"] = parameters
-    elif place == "request":
-        body["parameters"] = parameters
-    else:
-        body.update(parameters)
-    return body
 
 
 def binary_request(ids: list[int], **parameters: Any) -> tuple[bytes, str]:
@@ -99,15 +72,6 @@ def binary_request(ids: list[int], **parameters: Any) -> tuple[bytes, str]:
     return header + np.asarray(ids, dtype="<u4").tobytes(), str(len(header))
 
 
-def assert_kserve_error(response, status: int, *fragments: str) -> str:
-    """KServe's error form: the status, JSON ``{"error": "..."}`` and nothing else."""
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"].startswith("application/json")
-    body = response.json()
-    assert set(body) == {"error"} and isinstance(body["error"], str)
-    for fragment in fragments:
-        assert fragment in body["error"], body["error"]
-    return body["error"]
 
 
 def resolve(ctx: ServerContext, body: dict[str, Any]) -> GenerationRequest:

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from common.protocol import SamplingParams
-from tests.conftest import free_port, start_stack, stop_stack
+from tests.helpers import free_port, start_stack, stop_stack
 from worker.attention import use_padded_attention
 from worker.batch import DecodeBatch, ForwardArgs
 from worker.cpu_linear import use_packed_linear
@@ -152,6 +152,7 @@ def test_models_it_does_not_reproduce_keep_their_forward(model_type: str, overri
     assert LlamaStep.of(model) is None and ForwardArgs.of(model).step is None
 
 
+@pytest.mark.integration  # compiles the step (torch.compile): tens of seconds
 @pytest.mark.parametrize("model_type,overrides", [
     ("llama", {}),
     ("qwen2", {"num_key_value_heads": 4}),  # biased q/k/v products, multi-head attention

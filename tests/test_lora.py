@@ -25,10 +25,11 @@ from api.adapters import allowed_folder
 from api.app import create_app
 from common.settings import Settings, load_settings
 from openai import NotFoundError, OpenAI
-from tests.conftest import Stack, start_stack, stop_stack
+from tests.helpers import VLLM_ARGS, Stack, require_vllm, start_stack, stop_stack
 from tests.sse import sse_data
-from tests.test_engine_contract import VLLM_ARGS, require_vllm
 from worker.tiny_model import make_tiny_lora
+
+pytestmark = pytest.mark.integration  # every test here serves a stack of API and worker processes
 
 PROMPT = "def main("
 NEW_TOKENS = 8

@@ -21,13 +21,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from common.protocol import AdapterRef, Job, TokenEvent
 from common.settings import Settings
-from tests.test_engine import collect, greedy_reference, make_job, run, token_ids
-from tests.test_engine_contract import ENGINES, PROMPTS, VLLM_ARGS, require_vllm
+from tests.helpers import ENGINES, PROMPTS, VLLM_ARGS, collect, greedy_reference, make_job, require_vllm, token_ids
+from tests.helpers import run_complete as run  # the built-in engine fails no request here
 from worker import tiny_model
 from worker.cpu_linear import PackedLinear
 from worker.engine import Engine, RequestRefused, load_engine
 from worker.tiny_model import make_tiny_lora
 from worker.transformers_engine import TransformersEngine
+
+pytestmark = pytest.mark.integration  # a real model's forward passes, checked against references
 
 NEW_TOKENS = 12
 

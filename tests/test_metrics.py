@@ -10,32 +10,20 @@ import fakeredis
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from prometheus_client.parser import text_string_to_metric_families
 
 from api.app import create_app
 from common import keys
 from common.protocol import Job, SamplingParams, TokenEvent, WorkerStatus, decode_event
 from common.settings import Settings
-from tests.conftest import Stack, free_port
+from tests.helpers import Stack, free_port, sample, scrape
 from worker.main import WorkerLoop
 from worker.transformers_engine import TransformersEngine
 
 TGI_HEADERS = ("x-compute-time", "x-total-time", "x-queue-time", "x-inference-time", "x-time-per-token")
 
 
-def sample(text: str, name: str, **labels: str) -> float | None:
-    """The value of the sample ``name`` whose labels include ``labels`` (None when there is none)."""
-    for family in text_string_to_metric_families(text):
-        for item in family.samples:
-            if item.name == name and labels.items() <= item.labels.items():
-                return item.value
-    return None
 
 
-def scrape(base_url: str) -> str:
-    response = httpx.get(f"{base_url}/metrics")
-    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
-    return response.text
 
 
 # --------------------------------------------------------------------------------------------- in-process

@@ -8,7 +8,6 @@ runs end to end through the ``stack`` fixture (separate API and worker processes
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
 from collections.abc import Iterator
@@ -28,12 +27,11 @@ from api.pipeline import GenerationRequest
 from common import keys
 from common.protocol import decode_event
 from common.settings import Settings
-from tests.conftest import Stack, start_stack, stop_stack
 from tests.fakes import FakeSubmission, one_token_submit, patch_submit
+from tests.helpers import HEX_ID, Stack, assert_mindie_error, start_stack, stop_stack
 from tests.sse import sse_data
 
 PROMPT = "def main("
-HEX_ID = re.compile(r"^[0-9a-f]{32}$")
 MAX_ITER_TIMES = 64
 
 
@@ -65,18 +63,6 @@ def tokenizer(tiny_model_path: Path):
     return AutoTokenizer.from_pretrained(tiny_model_path)
 
 
-def assert_validation_error(response: httpx.Response, *fragments: str) -> str:
-    """TGI's error format, which MindIE's routes answer: 422 ``{"error", "error_type": "validation"}``, and the
-    RequestUUID header."""
-    assert response.status_code == 422, response.text
-    body = response.json()
-    assert set(body) == {"error", "error_type"}, body
-    assert body["error_type"] == "validation"
-    assert body["error"].startswith("Input validation error: "), body
-    for fragment in fragments:
-        assert fragment in body["error"], body["error"]
-    assert HEX_ID.match(response.headers["RequestUUID"])
-    return body["error"]
 
 
 def test_vllm_generate_shape_and_resolved_fields(client: TestClient, queued: list[GenerationRequest]) -> None:
@@ -90,7 +76,7 @@ def test_vllm_generate_shape_and_resolved_fields(client: TestClient, queued: lis
     assert params.max_new_tokens == MAX_ITER_TIMES  # unset max_tokens: maxIterTimes
     named = client.post("/generate", json={"prompt": "hello"}, headers={"x-request-id": "vllm-1"})
     assert named.headers["RequestUUID"] == queued[-1].request_id == "vllm-1"
-    assert_validation_error(client.post("/generate", json={"prompt": "hello"}, headers={"x-request-id": "a b"}),
+    assert_mindie_error(client.post("/generate", json={"prompt": "hello"}, headers={"x-request-id": "a b"}),
                             "`x-request-id` must be")
 
 
@@ -112,7 +98,7 @@ def test_tgi_generate_still_tgi(client: TestClient, queued: list[GenerationReque
     assert response.headers["RequestUUID"] == response.headers["x-request-id"] == queued[-1].request_id
     named = client.post("/generate", json={"inputs": "hello"}, headers={"x-request-id": "mine-1"})
     assert named.headers["RequestUUID"] == named.headers["x-request-id"] == "mine-1"
-    assert_validation_error(client.post("/generate", json={"inputs": "hello", "parameters": {"top_p": 1.0}}),
+    assert_mindie_error(client.post("/generate", json={"inputs": "hello", "parameters": {"top_p": 1.0}}),
                             "`top_p` must be > 1e-06 and < 1.0")
 
 
@@ -150,7 +136,7 @@ def test_vllm_stream_is_nul_delimited_deltas(client: TestClient) -> None:
     ({"prompt": "a", "stream": "yes"}, ["stream"]),
 ])
 def test_vllm_generate_validation(client: TestClient, body: dict[str, Any], fragments: list[str]) -> None:
-    assert_validation_error(client.post("/generate", json=body), *fragments)
+    assert_mindie_error(client.post("/generate", json=body), *fragments)
 
 
 def test_infer_text_and_token_shapes(client: TestClient, queued: list[GenerationRequest], tokenizer) -> None:
@@ -208,7 +194,7 @@ def test_infer_stream_sse(client: TestClient) -> None:
 ])
 @pytest.mark.parametrize("route", ["/infer", "/infer_token"])
 def test_infer_validation(client: TestClient, route: str, body: dict[str, Any], fragments: list[str]) -> None:
-    assert_validation_error(client.post(route, json=body), *fragments)
+    assert_mindie_error(client.post(route, json=body), *fragments)
 
 
 def test_tokenizer(client: TestClient, tokenizer) -> None:
@@ -218,9 +204,9 @@ def test_tokenizer(client: TestClient, tokenizer) -> None:
     expected = tokenizer(text).input_ids
     assert response.json() == {"token_number": len(expected), "tokens": expected}
     assert HEX_ID.match(response.headers["RequestUUID"])
-    assert_validation_error(client.post("/v1/tokenizer", json={"inputs": ""}), "`inputs` cannot be empty")
-    assert_validation_error(client.post("/v1/tokenizer", json={}), "inputs")
-    assert_validation_error(client.post("/v1/tokenizer", content=b"{", headers={"content-type": "application/json"}),
+    assert_mindie_error(client.post("/v1/tokenizer", json={"inputs": ""}), "`inputs` cannot be empty")
+    assert_mindie_error(client.post("/v1/tokenizer", json={}), "inputs")
+    assert_mindie_error(client.post("/v1/tokenizer", content=b"{", headers={"content-type": "application/json"}),
                             "not valid JSON")
 
 

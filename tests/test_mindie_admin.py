@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from common import keys
 from common.settings import ConfigError, Settings, flatten_config, load_settings
-from tests.conftest import free_port, start_stack, stop_stack
+from tests.helpers import free_port, start_stack, stop_stack
 from tests.sse import sse_data
 
 TGI_ERROR_KEYS = {"error", "error_type"}

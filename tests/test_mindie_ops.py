@@ -21,9 +21,8 @@ from api.pipeline import GenerationRequest
 from common import keys
 from common.protocol import Finish, WorkerStatus
 from common.settings import ModelEntry, Settings
-from tests.conftest import Stack
 from tests.fakes import FakeSubmission, one_token_submit, patch_submit
-from tests.test_metrics import sample, scrape
+from tests.helpers import Stack, sample, scrape
 
 TGI_ERROR_KEYS = {"error", "error_type"}
 

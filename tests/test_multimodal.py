@@ -29,7 +29,7 @@ from common.images import ImageRefused, open_image
 from common.protocol import Job, MediaRef, SamplingParams
 from common.settings import Settings
 from openai import BadRequestError, OpenAI
-from tests.conftest import Stack, start_stack, stop_stack
+from tests.helpers import Stack, start_stack, stop_stack
 from tests.sse import sse_data
 from worker.engine import RequestRefused
 from worker.media import MediaProcessor

@@ -18,7 +18,10 @@ from transformers import AutoTokenizer
 
 import openai
 from openai import AsyncOpenAI, OpenAI
-from tests.conftest import CHAT_TEMPLATE, Stack, start_stack, stop_stack
+from tests.helpers import Stack, start_stack, stop_stack
+from worker.tiny_model import CHAT_TEMPLATE
+
+pytestmark = pytest.mark.integration  # every test here serves a stack of API and worker processes
 
 PROMPT = "def main("
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Write a function."}]

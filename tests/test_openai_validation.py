@@ -13,6 +13,7 @@ import dataclasses
 import json
 import shutil
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,37 +29,25 @@ from api.errors import ProtocolError
 from api.openai import to_chat_request, to_completion_request
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.pipeline import GenerationRequest, PipelineError
-from api.relay import EventRelay
 from common.protocol import Finish, FinishReason, TokenEvent, TokenInfo
 from common.settings import ConfigError, Settings, load_settings
+from tests import helpers
 from tests.fakes import FakeSubmission, patch_submit
+from tests.helpers import assert_openai_error, make_ctx
 from tests.sse import sse_data
 
 MODEL = "tiny-openai"
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 MAX_ITER_TIMES = 64
-# Explicit limits, so an environment variable or FERRY_CONFIG of the machine cannot change what is tested.
-LIMITS = {"max_iter_times": MAX_ITER_TIMES, "max_seq_len": 2048, "max_input_token_len": 2047}
+# tests.helpers' settings, under this module's model name and iteration cap
+make_settings = partial(helpers.make_settings, model_name=MODEL, max_iter_times=MAX_ITER_TIMES)
 PROMPT = "def main("
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
 INT64_MAX = 2**63 - 1
 
 
 # --------------------------------------------------------------------------------------------- helpers
-
-
-def make_settings(model_path: Path, **overrides: Any) -> Settings:
-    return Settings(model_path=model_path, model_name=MODEL, **{**LIMITS, **overrides})
-
-
-def make_ctx(settings: Settings) -> ServerContext:
-    """A ServerContext built as ``api.app`` builds it (the relay is not started: nothing is queued here)."""
-    redis = fakeredis.FakeAsyncRedis()
-    return ServerContext(
-        settings=settings, redis=redis, relay=EventRelay(redis, "test-api"), model=ModelInfo.load(settings),
-        api_id="test-api",
-    )
 
 
 def completion_body(**fields: Any) -> dict[str, Any]:
@@ -74,19 +63,6 @@ def post(client: TestClient, route: str, body: Any) -> Any:
     return client.post(route, content=json.dumps(body), headers={"content-type": "application/json"})
 
 
-def assert_openai_error(
-    response, status: int, fragment: str, param: str | None = None, code: str | None = None,
-    error_type: str = "invalid_request_error",
-) -> str:
-    """OpenAI's error form: the status and exactly ``{"error": {"message", "type", "param", "code"}}``."""
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"].startswith("application/json")
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
-    error = body["error"]
-    assert fragment in error["message"], error["message"]
-    assert (error["type"], error["param"], error["code"]) == (error_type, param, code), error
-    return error["message"]
 
 
 async def resolve_completion(ctx: ServerContext, **fields: Any) -> GenerationRequest:

@@ -19,6 +19,8 @@ from transformers import AutoTokenizer
 from worker import tiny_model
 from worker.tiny_model import CHAT_TEMPLATE, ensure_tiny_model
 
+pytestmark = pytest.mark.integration  # builds and installs the wheel, runs its scripts
+
 REPO = Path(__file__).resolve().parents[1]
 # sha256 of each license's canonical text (Apache-2.0: apache.org's LICENSE-2.0.txt), by its SPDX id.
 LICENSE_TEXTS = {"Apache-2.0": "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"}

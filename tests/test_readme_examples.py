@@ -25,8 +25,10 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.conftest import CHAT_TEMPLATE, Stack, start_stack, stop_stack
-from worker.tiny_model import make_tiny_lora
+from tests.helpers import Stack, sample, scrape, start_stack, stop_stack, wait_for
+from worker.tiny_model import CHAT_TEMPLATE, make_tiny_lora
+
+pytestmark = pytest.mark.integration  # every test here serves a stack of API and worker processes
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 README_HOSTS = ("localhost:8080", "127.0.0.1:8080")
@@ -241,5 +243,14 @@ def test_curl_example(readme_stack: Stack, example: CurlExample) -> None:
 
 @pytest.mark.parametrize(("line", "source"), [pytest.param(*block, id=f"L{block[0]}") for block in EXAMPLES.python])
 def test_python_example(readme_stack: Stack, line: int, source: str) -> None:
+    """The example runs, and every request it sent was answered: the pod counted them all successful."""
+
+    def counted(name: str) -> float:
+        return sample(scrape(readme_stack.base_url), name, model=readme_stack.model_name) or 0.0
+
+    sent, answered = counted("tgi_request_count_total"), counted("tgi_request_success_total")
     code = compile(_for_stack(source, readme_stack), f"README.md, python block at line {line}", "exec")
     exec(code, {"__name__": "readme_example"})
+    requests = counted("tgi_request_count_total") - sent
+    assert requests > 0
+    wait_for(lambda: counted("tgi_request_success_total") - answered == requests, 10, "the example's answers")

@@ -22,10 +22,12 @@ from redis.crc import key_slot
 
 from common import keys
 from common.settings import Settings
-from tests.conftest import Stack, start_stack, stop_stack, wait_for
+from tests.helpers import Stack, start_stack, stop_stack, wait_for
 from tests.redis_cluster import ThreeMasters
 from tests.redis_cluster import three_masters as make_three_masters
 from tests.stack_checks import check_every_protocol, check_ferry_status, check_stop_order_and_lora_registry
+
+pytestmark = pytest.mark.integration  # the servers and Redis here run as processes
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,10 @@ import pytest
 import redis
 
 from common import keys
-from tests.conftest import Stack, free_port, start_stack
+from tests.helpers import Pem, Stack, free_port, make_cert, start_stack
 from tests.stack_checks import check_every_protocol, check_ferry_status, check_stop_order_and_lora_registry
-from tests.test_tls_auth import Pem, make_cert
+
+pytestmark = pytest.mark.integration  # the servers and Redis here run as processes
 
 PASSWORD = "s3cret-for-tests"
 README = Path(__file__).resolve().parent.parent / "README.md"

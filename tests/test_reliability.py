@@ -50,8 +50,8 @@ from common.protocol import (
     decode_event,
 )
 from common.settings import Settings
-from tests.conftest import Stack, free_port, start_stack, stop_stack, wait_for
 from tests.fakes import one_token_submit, patch_submit
+from tests.helpers import Stack, free_port, start_stack, stop_stack, wait_for
 from worker.main import WorkerLoop
 from worker.transformers_engine import TransformersEngine
 
@@ -764,6 +764,7 @@ def uninterrupted(cluster: Cluster, max_new_tokens: int) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- worker crash
 
 
+@pytest.mark.integration  # a stack of processes on a Redis of its own
 def test_worker_killed_mid_stream_the_stream_completes_exactly_once(cluster: Cluster) -> None:
     """kill -9 the worker running a stream: after claimIdleSeconds the other worker takes the job over and
     replays it from the start; the client sees every index once and the uninterrupted output."""
@@ -806,6 +807,7 @@ def assert_cancelled(cluster: Cluster, request_id: str, raw: RawEvents, max_new_
     assert len(published) < max_new_tokens / 6, f"{len(published)} tokens were computed"
 
 
+@pytest.mark.integration  # a stack of processes on a Redis of its own
 def test_stream_client_disconnect_cancels_the_job(cluster: Cluster) -> None:
     cluster.ensure_workers(1)
     raw = RawEvents(cluster.redis, "gone-stream")
@@ -815,6 +817,7 @@ def test_stream_client_disconnect_cancels_the_job(cluster: Cluster) -> None:
     assert_cancelled(cluster, "gone-stream", raw, 1000)
 
 
+@pytest.mark.integration  # a stack of processes on a Redis of its own
 def test_non_stream_client_disconnect_cancels_the_job(cluster: Cluster) -> None:
     cluster.ensure_workers(1)
     raw = RawEvents(cluster.redis, "gone-plain")
@@ -829,6 +832,7 @@ def test_non_stream_client_disconnect_cancels_the_job(cluster: Cluster) -> None:
     assert_cancelled(cluster, "gone-plain", raw, 1000)
 
 
+@pytest.mark.integration  # a stack of processes on a Redis of its own
 def test_request_id_is_unique_while_in_flight_and_reusable_after(cluster: Cluster) -> None:
     """A second request with an id in flight is a validation error; once it ended (here: its client left
     and it was cancelled, or stopped) the id can be used again and the new request runs in full."""
@@ -845,6 +849,7 @@ def test_request_id_is_unique_while_in_flight_and_reusable_after(cluster: Cluste
     assert again.json()["details"]["generated_tokens"] == 12  # the old request's cancel does not apply
 
 
+@pytest.mark.integration  # a stack of processes on a Redis of its own
 def test_stop_infer_on_a_tgi_stream(cluster: Cluster) -> None:
     """``POST /v2/models/{m}/stopInfer`` with a TGI request's ``x-request-id``: 200 echo, and the stream
     ends with finish_reason ``stop_sequence`` and the text so far; unknown ids are 404, malformed 422."""
@@ -867,6 +872,7 @@ def test_stop_infer_on_a_tgi_stream(cluster: Cluster) -> None:
     assert httpx.post(f"{cluster.main_url}/v2/models/other/stopInfer", json={"id": "a"}).status_code == 404
 
 
+@pytest.mark.integration  # a stack of processes on a Redis of its own
 def test_stop_infer_on_a_kserve_infer_request(cluster: Cluster) -> None:
     """The KServe body's ``id`` names the request: a stopped infer answers 200 with the tokens so far."""
     cluster.ensure_workers(1)
@@ -891,6 +897,7 @@ def test_stop_infer_on_a_kserve_infer_request(cluster: Cluster) -> None:
 # ---------------------------------------------------------------------------- timeouts
 
 
+@pytest.mark.integration  # a stack of processes on a Redis of its own
 def test_token_timeout_without_a_worker(cluster: Cluster) -> None:
     """No worker serves the model: after tokenTimeout a non-stream request is 500 incomplete_generation
     (TGI) or 500 (KServe), a stream gets a final SSE error event. Nothing hangs."""
@@ -923,6 +930,7 @@ def test_token_timeout_without_a_worker(cluster: Cluster) -> None:
     cluster.redis.delete(keys.job_stream(Cluster.IDLE_MODEL))
 
 
+@pytest.mark.integration  # a stack of processes on a Redis of its own
 def test_e2e_timeout_mid_stream_and_the_worker_drops_the_request(cluster: Cluster) -> None:
     """e2eTimeout 1.5 s on a stream that needs longer: tokens, then a final error event; the worker stops
     computing it (cancelled by the API, or dropped at its deadline) and acknowledges the job."""
@@ -941,6 +949,7 @@ def test_e2e_timeout_mid_stream_and_the_worker_drops_the_request(cluster: Cluste
     assert not any(isinstance(e, TokenEvent) and e.finish is not None for e in published)
 
 
+@pytest.mark.integration  # a stack of processes on a Redis of its own
 def test_job_that_waited_past_its_deadline_is_not_started(cluster: Cluster) -> None:
     """While every worker is stopped (SIGSTOP) a request times out (500); when they resume, the job is
     acknowledged with an error event instead of being computed."""
@@ -966,6 +975,7 @@ def test_job_that_waited_past_its_deadline_is_not_started(cluster: Cluster) -> N
 # ---------------------------------------------------------------------------- backpressure
 
 
+@pytest.mark.integration  # a stack of processes on a Redis of its own
 def test_full_queue_is_429_on_tgi_routes_and_503_on_kserve(cluster: Cluster) -> None:
     """maxQueueSize counts the model's jobs queued or running, from every pod: past it, requests are
     refused at once, before any stream starts."""
@@ -990,6 +1000,7 @@ def test_full_queue_is_429_on_tgi_routes_and_503_on_kserve(cluster: Cluster) -> 
         cluster.redis.delete(stream_key)
 
 
+@pytest.mark.integration  # a stack of processes on a Redis of its own
 def test_max_link_num_per_pod_is_429(cluster: Cluster) -> None:
     """maxLinkNum 3: a fourth concurrent request on the pod is refused at once; finished requests free their
     place (the three waiting ones time out after tokenTimeout 3 s, then a request is accepted again)."""
@@ -1022,6 +1033,7 @@ FLOOD_REQUESTS = 2000
 FLOOD_CONCURRENCY = 200
 
 
+@pytest.mark.integration  # a stack of processes on a Redis of its own
 def test_flood_is_answered_with_200_or_429_and_bounded_memory(cluster: Cluster) -> None:
     """Thousands of requests at once against one pod with maxQueueSize 8: every one is answered, 200 or
     429, none 5xx, none hangs; the processes' peak memory stays bounded."""
@@ -1064,6 +1076,7 @@ def test_flood_is_answered_with_200_or_429_and_bounded_memory(cluster: Cluster) 
 # ---------------------------------------------------------------------------- graceful shutdown of a worker
 
 
+@pytest.mark.integration  # a stack of processes on a Redis of its own
 def test_sigterm_worker_finishes_its_request_and_takes_no_new_one(cluster: Cluster) -> None:
     """SIGTERM to the worker running a stream: it takes no new job, finishes the stream (complete output),
     acknowledges it and exits 0; the job queued meanwhile waits for another worker."""
@@ -1097,6 +1110,7 @@ def test_sigterm_worker_finishes_its_request_and_takes_no_new_one(cluster: Clust
 # ---------------------------------------------------------------------------- Redis restart
 
 
+@pytest.mark.integration  # a stack of processes on a Redis of its own
 def test_redis_restart_fails_in_flight_requests_then_service_resumes(cluster: Cluster) -> None:
     """Redis dies mid-request: a stream ends with an error event, a non-stream request gets an error
     status, promptly. Redis comes back empty on the same port: the relay and the workers reconnect (and
@@ -1169,6 +1183,7 @@ class Publishes:
         self._client.close()
 
 
+@pytest.mark.integration  # a stack of processes on a Redis of its own
 def test_a_request_the_pod_gave_up_on_is_not_computed_when_redis_comes_back(cluster: Cluster) -> None:
     """Redis restarts with its data (AOF, a failover, a network blip): the pod fails its stream at once and cannot
     cancel the job while Redis is away. When everything reconnects the pod subscribes under a new generation, so
@@ -1199,6 +1214,7 @@ def test_a_request_the_pod_gave_up_on_is_not_computed_when_redis_comes_back(clus
         (cluster.server.workdir / "dump.rdb").unlink(missing_ok=True)  # later restarts come back empty
 
 
+@pytest.mark.integration  # a stack of processes on a Redis of its own
 def test_a_worker_keeps_its_requests_through_a_redis_freeze(cluster: Cluster) -> None:
     """Redis stops answering for 6 s mid-stream (SIGSTOP) and comes back: the worker neither drops nor silently
     abandons its running request: the stream goes on and ends exactly as an uninterrupted run."""
@@ -1221,6 +1237,7 @@ def test_a_worker_keeps_its_requests_through_a_redis_freeze(cluster: Cluster) ->
 # ---------------------------------------------------------------------------- API pods dying
 
 
+@pytest.mark.integration  # a stack of processes on a Redis of its own
 def test_api_pod_killed_its_requests_are_dropped_at_once(cluster: Cluster) -> None:
     """kill -9 an API pod with 10 open streams of 1900 tokens: its clients lose their streams, and the worker,
     whose PUBLISHes reach nobody any more, drops the 10 requests at once (acknowledged, out of the stream)
@@ -1248,6 +1265,7 @@ def test_api_pod_killed_its_requests_are_dropped_at_once(cluster: Cluster) -> No
     assert httpx.post(f"{cluster.main_url}/generate", json=body(3), timeout=30).status_code == 200
 
 
+@pytest.mark.integration  # a stack of processes on a Redis of its own
 def test_streams_cut_at_shutdown_end_with_an_error_event(cluster: Cluster) -> None:
     """SIGTERM to a pod with shutdownGraceSeconds 2 and streams that need far longer: when the grace runs out each
     stream's last event is an error (``stopping``), never a clean end that looks complete, a non-stream request gets
@@ -1278,6 +1296,7 @@ def test_streams_cut_at_shutdown_end_with_an_error_event(cluster: Cluster) -> No
     wait_for(lambda: not any(cluster.job_queued(request_id) for request_id in ids), 10, "the cut jobs to end")
 
 
+@pytest.mark.integration  # a stack of processes on a Redis of its own
 def test_sigterm_api_pod_finishes_open_streams_then_exits(cluster: Cluster) -> None:
     """SIGTERM to the API pod with an open stream: the stream runs to its end (within
     shutdownGraceSeconds) and the process exits 0. Runs last: the pod is gone afterwards."""

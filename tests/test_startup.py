@@ -30,7 +30,7 @@ import worker.main
 from common import keys
 from common.model_files import ModelUnavailable, model_file
 from common.settings import Settings
-from tests.conftest import free_port, start_stack, stop_stack, wait_for
+from tests.helpers import free_port, start_stack, stop_stack, wait_for
 from worker.engine import EngineLoadError
 from worker.metrics import WorkerMetrics
 from worker.transformers_engine import TransformersEngine
@@ -115,6 +115,7 @@ def test_a_stopped_worker_says_so_in_one_line(redis_url: str, tiny_model_path: P
     assert re.fullmatch(r"\S+ \S+ INFO ferry\.worker: worker \S+ stopped\n", at_stop), at_stop
 
 
+@pytest.mark.integration  # runs the server's commands as processes
 @pytest.mark.parametrize("name", COMMANDS)
 def test_an_uncached_hub_id_offline_is_one_line(name: str, tmp_path: Path) -> None:
     env = command_env(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", MODEL_PATH="ferry/not-cached",
@@ -141,6 +142,7 @@ def test_model_files_say_why_they_cannot_be_had(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------- models and devices that fail
 
 
+@pytest.mark.integration  # runs the server's commands as processes
 def test_the_worker_alone_exits_with_one_line_for_a_model_without_weights(
     tmp_path: Path, tiny_model_path: Path
 ) -> None:
@@ -152,6 +154,7 @@ def test_the_worker_alone_exits_with_one_line_for_a_model_without_weights(
     assert line.startswith(f"ferry-worker: cannot load the model at {path}: ") and "model.safetensors" in line
 
 
+@pytest.mark.integration  # runs the server's commands as processes
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this torch has CUDA")
 def test_the_worker_alone_exits_with_one_line_for_cuda_without_cuda(tiny_model_path: Path) -> None:
     done = run_command("ferry-worker", command_env(MODEL_PATH=str(tiny_model_path), DEVICE="cuda"))
@@ -277,6 +280,7 @@ def test_compose_workers_open_their_metrics_to_the_network(monkeypatch: pytest.M
     assert (settings.worker_metrics_host, settings.worker_metrics_port) == ("0.0.0.0", 9400)
 
 
+@pytest.mark.integration  # runs the server's commands as processes
 def test_a_metrics_address_that_cannot_be_served_is_one_line(tiny_model_path: Path) -> None:
     port = free_port()
     done = run_command("ferry-worker", command_env(MODEL_PATH=str(tiny_model_path), WORKER_METRICS_PORT=str(port),

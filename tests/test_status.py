@@ -19,7 +19,7 @@ from common.protocol import WorkerStatus
 from common.run_files import ServerRecord, running_servers, server_run_file, try_lock
 from common.settings import Settings
 from common.status import local_server_redis, main, read_status, render
-from tests.conftest import Stack
+from tests.helpers import Stack
 
 
 def status_json(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -73,6 +73,7 @@ def test_check_fails_for_a_model_without_workers(stack: Stack) -> None:
                        env=stack.env).returncode == 1
 
 
+@pytest.mark.integration  # runs ferry-status as a process
 def test_an_unreachable_redis_is_reported() -> None:
     done = status_json("--redis-url", "redis://127.0.0.1:1/0")
     assert done.returncode == 2 and "cannot read redis://127.0.0.1:1/0" in done.stderr
@@ -140,6 +141,7 @@ def test_status_reads_the_newest_server_and_names_the_others(tmp_path: Path, mon
                                        "running: pid 8, 7 (--redis-url picks another)\n")
 
 
+@pytest.mark.integration  # runs ferry-status as a process
 def test_a_given_redis_wins_over_a_running_server(tmp_path: Path, redis_url: str) -> None:
     """REDIS_URL (as --redis-url, or the config file's redisUrl) is the operator's choice: no run file is read."""
     fd = held_record(tmp_path / "server-5.json", 5, "redis://127.0.0.1:1/0", started=time.time())

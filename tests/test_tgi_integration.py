@@ -12,8 +12,10 @@ from huggingface_hub import InferenceClient
 from text_generation import AsyncClient, Client
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.conftest import Stack
+from tests.helpers import Stack
 from tests.sse import sse_data
+
+pytestmark = pytest.mark.integration  # every test here serves a stack of API and worker processes
 
 PROMPT = "def main("
 

@@ -9,7 +9,6 @@ is wrongly accepted fails loudly instead of waiting forever for a worker.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,23 +21,20 @@ from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
 from api.app import create_app
-from api.context import MAX_INPUT_TOKENS_HARD_CAP, ModelInfo, ServerContext
+from api.context import MAX_INPUT_TOKENS_HARD_CAP, ServerContext
 from api.pipeline import GenerationRequest
-from api.relay import EventRelay
 from api.tgi import to_generation_request
 from api.tgi_schemas import TGIRequest
 from common.protocol import Finish, Job, TokenEvent, TokenInfo
 from common.settings import Settings
 from tests.fakes import FakeSubmission, patch_submit
+from tests.helpers import assert_tgi_error, make_ctx, make_settings
 
 U32_MAX = 2147483647  # the spec's upper bound for max_new_tokens, top_k, truncate
 U64_MAX = 2**64 - 1
 MIB4 = 4 * 1024 * 1024
 ROUTES = ["/", "/generate", "/generate_stream"]
 TEXT = "The quick brown fox jumps over the lazy dog. 敏捷的棕色狐狸跳过了懒狗。"
-
-# Explicit limits, so an environment variable or FERRY_CONFIG of the machine cannot change what is tested.
-DEFAULT_LIMITS = {"max_iter_times": 512, "max_seq_len": 2048, "max_input_token_len": 2047}
 OPTIONAL_PARAMETERS = [
     "best_of", "decoder_input_details", "details", "do_sample", "max_new_tokens", "repetition_penalty",
     "return_full_text", "seed", "temperature", "top_k", "top_p", "truncate", "typical_p", "watermark",
@@ -47,22 +43,6 @@ OPTIONAL_PARAMETERS = [
 
 
 # --------------------------------------------------------------------------------------------- helpers
-
-
-def make_settings(model_path: Path, **overrides: Any) -> Settings:
-    return Settings(model_path=model_path, **{**DEFAULT_LIMITS, **overrides})
-
-
-def make_ctx(settings: Settings) -> ServerContext:
-    """A ServerContext built as ``api.app`` builds it (the relay is not started: nothing is queued here)."""
-    redis = fakeredis.FakeAsyncRedis()
-    return ServerContext(
-        settings=settings,
-        redis=redis,
-        relay=EventRelay(redis, "test-api"),
-        model=ModelInfo.load(settings),
-        api_id="test-api",
-    )
 
 
 @contextmanager
@@ -83,21 +63,6 @@ def post_raw(client: TestClient, route: str, raw: bytes | str, **headers: str):
     return client.post(route, content=raw, headers={"content-type": "application/json", **headers})
 
 
-def assert_validation_error(response, field: str | None, *fragments: str) -> str:
-    """TGI's validation error: 422, JSON ``{"error": "Input validation error: ...", "error_type": "validation"}``,
-    the message naming ``field`` in backticks (``parameters.`` prefix and list index allowed)."""
-    assert response.status_code == 422, response.text
-    assert response.headers["content-type"].startswith("application/json")
-    body = response.json()
-    assert set(body) == {"error", "error_type"}
-    assert body["error_type"] == "validation"
-    message = body["error"]
-    assert message.startswith("Input validation error: "), message
-    if field is not None:
-        assert re.search(rf"`(parameters\.)?{re.escape(field)}(\.\d+|\[\d+\])?`", message), message
-    for fragment in fragments:
-        assert fragment in message, message
-    return message
 
 
 def finish_for(request: GenerationRequest) -> Finish:
@@ -217,7 +182,7 @@ def accept_requests(monkeypatch: pytest.MonkeyPatch) -> list[GenerationRequest]:
     ],
 )
 def test_inputs_missing_empty_or_not_a_string(client, route, body, fragment):
-    assert_validation_error(client.post(route, json=body), "inputs", fragment)
+    assert_tgi_error(client.post(route, json=body), "inputs", fragment)
 
 
 @pytest.mark.parametrize(
@@ -235,7 +200,7 @@ def test_inputs_missing_empty_or_not_a_string(client, route, body, fragment):
 @pytest.mark.parametrize("route", ROUTES)
 def test_media_items_are_refused_by_a_text_only_model(client, route, inputs, fragment):
     """The tiny model is text-only: its media items are refused naming the kind, before anything is read."""
-    assert_validation_error(client.post(route, json={"inputs": inputs}), "inputs", fragment)
+    assert_tgi_error(client.post(route, json={"inputs": inputs}), "inputs", fragment)
 
 
 def test_inputs_character_limit_is_4_mib_of_characters():
@@ -249,7 +214,7 @@ def test_inputs_character_limit_is_4_mib_of_characters():
 @pytest.mark.parametrize("route", ROUTES)
 def test_inputs_over_4_mib_of_characters_rejected(client, route):
     response = client.post(route, json={"inputs": "a" * (MIB4 + 1)})
-    assert_validation_error(response, "inputs", "at most 4194304 characters", "Given: 4194305")
+    assert_tgi_error(response, "inputs", "at most 4194304 characters", "Given: 4194305")
 
 
 async def test_inputs_are_tokenized_with_the_model_tokenizer(ctx, tokenizer, text_ids):
@@ -287,7 +252,7 @@ async def test_token_count_limit_edge(limit_by, offset, tiny_model_path, model_v
     else:
         with serve(settings) as client:
             for route in ROUTES:
-                assert_validation_error(
+                assert_tgi_error(
                     client.post(route, json={"inputs": TEXT}),
                     "inputs",
                     f"`inputs` must have less than {n - 1} tokens. Given: {n}",
@@ -300,10 +265,10 @@ async def test_truncate_is_applied_before_the_token_limit(tiny_model_path, text_
     request = await resolve(make_ctx(settings), body_with(truncate=n - 3))
     assert request.input_ids == text_ids[-(n - 3):]
     with serve(settings) as client:
-        assert_validation_error(
+        assert_tgi_error(
             client.post("/", json=body_with(truncate=n - 2)), "inputs", f"less than {n - 3} tokens. Given: {n - 2}"
         )
-        assert_validation_error(client.post("/", json={"inputs": TEXT}), "inputs", f"Given: {n}")
+        assert_tgi_error(client.post("/", json={"inputs": TEXT}), "inputs", f"Given: {n}")
 
 
 def test_token_limit_never_exceeds_1_mi(tiny_model_path, model_variant):
@@ -379,14 +344,14 @@ def _rule_id(case: tuple[str, Any, str]) -> str:
 @pytest.mark.parametrize("case", RULE_REJECTIONS, ids=_rule_id)
 def test_parameter_out_of_range_rejected(client, route, case):
     field, value, fragment = case
-    assert_validation_error(client.post(route, json=body_with(**{field: value})), field, fragment)
+    assert_tgi_error(client.post(route, json=body_with(**{field: value})), field, fragment)
 
 
 @pytest.mark.parametrize("route", ROUTES)
 def test_stream_rejection_is_plain_json_before_the_stream(client, route):
     """A stream request's validation error is a 422 JSON answer, not an SSE event."""
     response = client.post(route, json={**body_with(top_p=1.0), "stream": True})
-    assert_validation_error(response, "top_p")
+    assert_tgi_error(response, "top_p")
     assert "text/event-stream" not in response.headers["content-type"]
 
 
@@ -518,12 +483,14 @@ async def test_stop_accepted_forms_and_edges(ctx, stop, expected):
 
 @pytest.mark.parametrize("value", ["None", None])
 async def test_adapter_id_none_accepted(ctx, value):
-    await resolve(ctx, body_with(adapter_id=value))
+    assert (await resolve(ctx, body_with(adapter_id=value))).adapter is None  # the base model
 
 
 @pytest.mark.parametrize("value", [None, 1])
 async def test_best_of_null_or_1_accepted(ctx, value):
-    await resolve(ctx, body_with(best_of=value))
+    """One sequence is what every request gets: best_of null or 1 is the request without it (the same seed, as
+    an unseeded request draws its own)."""
+    assert await resolve(ctx, body_with(best_of=value, seed=1)) == await resolve(ctx, body_with(seed=1))
 
 
 @pytest.mark.parametrize("field", ["details", "return_full_text", "watermark", "decoder_input_details"])
@@ -570,7 +537,7 @@ async def test_do_sample_resolution(ctx, parameters, sampling):
 
 def test_decoder_input_details_with_stream_rejected_on_post_root(client):
     response = client.post("/", json={**body_with(decoder_input_details=True), "stream": True})
-    assert_validation_error(response, "decoder_input_details", "not supported when streaming tokens")
+    assert_tgi_error(response, "decoder_input_details", "not supported when streaming tokens")
     assert "text/event-stream" not in response.headers["content-type"]
 
 
@@ -580,7 +547,7 @@ def test_decoder_input_details_rejected_on_generate_stream(client, stream_field)
     if stream_field != "absent":
         body["stream"] = stream_field
     response = client.post("/generate_stream", json=body)
-    assert_validation_error(response, "decoder_input_details", "not supported when streaming tokens")
+    assert_tgi_error(response, "decoder_input_details", "not supported when streaming tokens")
 
 
 async def test_decoder_input_details_with_stream_rejected_by_to_generation_request(ctx):
@@ -635,14 +602,14 @@ WRONG_TYPE_CASES = [
 
 @pytest.mark.parametrize("field, value", WRONG_TYPE_CASES, ids=lambda v: json.dumps(v))
 def test_wrong_json_type_rejected_naming_the_field(client, field, value):
-    assert_validation_error(client.post("/", json=body_with(**{field: value})), field)
+    assert_tgi_error(client.post("/", json=body_with(**{field: value})), field)
 
 
 @pytest.mark.parametrize("field", ["repetition_penalty", "temperature", "top_p", "typical_p"])
 @pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e400"])
 def test_non_finite_numbers_rejected(client, field, literal):
     raw = f'{{"inputs": "hi", "parameters": {{"{field}": {literal}}}}}'
-    assert_validation_error(post_raw(client, "/", raw), field)
+    assert_tgi_error(post_raw(client, "/", raw), field)
 
 
 @pytest.mark.parametrize(
@@ -652,7 +619,7 @@ def test_non_finite_numbers_rejected(client, field, literal):
     ids=lambda v: json.dumps(v),
 )
 def test_wrong_type_of_top_level_field_rejected(client, field, value):
-    assert_validation_error(client.post("/", json={"inputs": "hi", field: value}), field)
+    assert_tgi_error(client.post("/", json={"inputs": "hi", field: value}), field)
 
 
 @pytest.mark.parametrize("value", [1, 2, 100, 1.0, 0.25])
@@ -675,7 +642,7 @@ def test_whole_floats_are_valid_integers(client, accept_requests):
 @pytest.mark.parametrize("value", [-1, 6, 2**40])
 def test_top_n_tokens_out_of_range_rejected(client, value):
     """TGI 1.x's rule (its default --max-top-n-tokens 5); the value has no effect here (README)."""
-    assert_validation_error(client.post("/", json=body_with(top_n_tokens=value)), "top_n_tokens",
+    assert_tgi_error(client.post("/", json=body_with(top_n_tokens=value)), "top_n_tokens",
                             f"`top_n_tokens` must be >= 0 and <= 5. Given: {value}")
 
 
@@ -696,7 +663,7 @@ def test_top_n_tokens_out_of_range_rejected(client, value):
     ids=["unclosed", "trailing-comma", "single-quotes", "leading-zero", "form", "empty", "array", "string", "null"],
 )
 def test_malformed_or_non_object_body_rejected(client, route, raw, fragment):
-    assert_validation_error(post_raw(client, route, raw), None, fragment)
+    assert_tgi_error(post_raw(client, route, raw), None, fragment)
 
 
 @pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
@@ -711,7 +678,7 @@ def test_body_without_json_content_type_gets_a_tgi_error(client, content_type):
 
 def test_invalid_utf8_body_is_a_tgi_validation_error(lenient_client):
     response = post_raw(lenient_client, "/", b'{"inputs": "\xff\xfe hi"}')
-    assert_validation_error(response, None)
+    assert_tgi_error(response, None)
 
 
 def test_too_deeply_nested_body_gets_a_tgi_error(lenient_client):
@@ -729,7 +696,7 @@ def test_moderately_nested_unknown_field_is_ignored(client, accept_requests):
 
 def test_lone_surrogate_in_inputs_is_a_validation_error(lenient_client):
     response = post_raw(lenient_client, "/", '{"inputs": "hi \\ud800 there"}')
-    assert_validation_error(response, "inputs")
+    assert_tgi_error(response, "inputs")
 
 
 def test_lone_surrogate_in_stop_is_a_validation_error(lenient_client, monkeypatch):
@@ -740,7 +707,7 @@ def test_lone_surrogate_in_stop_is_a_validation_error(lenient_client, monkeypatc
 
     patch_submit(monkeypatch, serialize_job_as_the_pipeline_does)
     response = post_raw(lenient_client, "/", '{"inputs": "hi", "parameters": {"stop": ["\\udc00"]}}')
-    assert_validation_error(response, "stop")
+    assert_tgi_error(response, "stop")
 
 
 # ----------------------------------------------------------------------------- nulls and unknown fields
@@ -857,7 +824,7 @@ def test_null_parameters_accepted_over_http(client, accept_requests):
 )
 def test_bad_x_request_id_rejected(client, route, header):
     response = client.post(route, json={"inputs": "hi"}, headers={"x-request-id": header})
-    assert_validation_error(response, "x-request-id", "letters, digits")
+    assert_tgi_error(response, "x-request-id", "letters, digits")
 
 
 @pytest.mark.parametrize("route", ROUTES)

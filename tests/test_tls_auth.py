@@ -6,8 +6,6 @@ stack's Redis and model name, so they share its worker and generate for real.
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import json
 import ssl
 import subprocess
@@ -20,15 +18,11 @@ from pathlib import Path
 import fakeredis
 import httpx
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from fastapi.testclient import TestClient
 
 from api.app import create_app
 from common.settings import Settings
-from tests.conftest import Stack, free_port
+from tests.helpers import Pem, Stack, free_port, make_cert
 
 KEY = "sk-test-9f2c41"
 MODEL = "tiny-auth"
@@ -97,44 +91,10 @@ def test_health_metrics_and_info_stay_open(client: TestClient, path: str) -> Non
 # --------------------------------------------------------------------------------------------- certificates
 
 
-@dataclass
-class Pem:
-    cert: Path
-    key: Path
 
 
-def _name(common_name: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
-def make_cert(directory: Path, name: str, issuer: Pem | None = None, server: bool = False, ca: bool = False) -> Pem:
-    """An EC certificate: self-signed unless ``issuer`` signs it; a server's names 127.0.0.1 and localhost."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    if issuer is None:
-        issuer_name, signing_key = _name(name), key
-    else:
-        issuer_cert = x509.load_pem_x509_certificate(issuer.cert.read_bytes())
-        issuer_name = issuer_cert.subject
-        signing_key = serialization.load_pem_private_key(issuer.key.read_bytes(), password=None)
-    builder = (
-        x509.CertificateBuilder().subject_name(_name(name)).issuer_name(issuer_name).public_key(key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-    )
-    if server:
-        builder = builder.add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-    if not ca:
-        usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
-        builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-    cert = builder.sign(signing_key, hashes.SHA256())  # type: ignore[arg-type]
-    pem = Pem(directory / f"{name}.crt", directory / f"{name}.key")
-    pem.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    pem.key.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
-    return pem
 
 
 @dataclass

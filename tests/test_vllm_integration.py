@@ -16,8 +16,9 @@ from huggingface_hub import InferenceClient
 from text_generation import Client
 
 from openai import OpenAI
-from tests.conftest import Stack, start_stack, stop_stack
-from tests.test_engine_contract import VLLM_ARGS, require_vllm
+from tests.helpers import VLLM_ARGS, Stack, require_vllm, start_stack, stop_stack
+
+pytestmark = pytest.mark.integration  # every test here serves a stack of API and worker processes
 
 PROMPT = "def main("
 
