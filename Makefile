@@ -51,7 +51,7 @@ test: lint
 
 # The unit half: every test not marked integration (none starts a process, a Redis or vLLM; tests/conftest.py)
 test-fast: lint
-	$(BIN)/python -m pytest -m "not integration" $(ARGS)
+	FERRY_FAST_TESTS=1 $(BIN)/python -m pytest -m "not integration" -n auto $(ARGS)
 
 # The serving benchmark (bench/serve_bench.py; bench/RESULTS.md): writes bench/out/. ARGS="--help" lists its options.
 bench: $(BIN)/.test

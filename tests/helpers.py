@@ -59,6 +59,16 @@ def make_ctx(settings: Settings) -> ServerContext:
     )
 
 
+FAST_TESTS_ENV = "FERRY_FAST_TESTS"
+"""Set by ``make test-fast``: the property tests draw a tenth of their examples (``make test`` draws them all)."""
+
+
+def examples(full: int) -> int:
+    """How many examples a property test draws: ``full``, or a tenth with :data:`FAST_TESTS_ENV` set, so that
+    the quick loop of ``make test-fast`` stays quick while ``make test`` (CI) keeps the full search."""
+    return max(10, full // 10) if os.environ.get(FAST_TESTS_ENV) else full
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -33,6 +33,7 @@ from tests.helpers import (
     assert_mindie_error,
     assert_openai_error,
     assert_tgi_error,
+    examples,
     infer_body,
     make_engine,
     make_job,
@@ -76,7 +77,7 @@ def outcomes() -> Iterator[Counter[str]]:
 
 
 @pytest.mark.integration  # a real engine's forward passes, for every poison
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(poison=poisons, joins=st.sampled_from([0, 2]), prompt=st.integers(0, 2))
 def test_a_request_whose_numbers_go_bad_fails_alone(
     served, tokenizer, prompts, alone, outcomes, poison: dict[str, Any], joins: int, prompt: int  # noqa: F811

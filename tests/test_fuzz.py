@@ -31,9 +31,10 @@ from api.rules import MAX_INPUT_CHARS
 from api.tgi_schemas import UINT32_MAX_PARAM, UINT64_MAX
 from common.settings import ModelEntry, Settings
 from tests.fakes import one_token_submit, patch_submit
+from tests.helpers import examples
 from tests.sse import sse_data
 
-FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MODEL, SECOND_MODEL = "fuzz", "second"  # the two models the app serves (client)
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 LOAD_ADAPTER, UNLOAD_ADAPTER = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"

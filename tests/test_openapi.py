@@ -37,6 +37,7 @@ from api.app import create_app
 from common import keys
 from common.settings import Settings
 from tests.fakes import one_token_submit, patch_submit
+from tests.helpers import examples
 
 # Refusals a schema-valid request may still get, for rules the document states in words only: limits of the
 # served model (its vocabulary, its context length), which one document for every model cannot give as
@@ -147,6 +148,6 @@ def test_docs_pages_load_only_the_pods_own_assets(page: str, script: str, global
 
 
 @SCHEMA.parametrize()
-@settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(50), deadline=None, suppress_health_check=list(HealthCheck))
 def test_every_route_keeps_its_openapi_contract(case: schemathesis.Case, session: asgi.ASGIClient) -> None:
     case.call_and_validate(base_url=f"http://{asgi.HOST}", session=session, checks=CHECKS)
