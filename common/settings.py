@@ -57,6 +57,8 @@ from common.chat_template import load_chat_template
 from common.protocol import ADAPTER_NAME_PATTERN
 
 EngineName = Literal["transformers", "vllm"]
+DtypeName = Literal["auto", "float32", "float16", "bfloat16"]
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names of two dtypes (--dtype half)
 # The vllm.EngineArgs fields whose product is the devices one vLLM worker runs its model on (vLLM's world size).
 VLLM_PARALLEL_ARGS = ("tensor_parallel_size", "pipeline_parallel_size")
 Section = Literal["ServerConfig", "LogConfig", "BackendConfig", "ScheduleConfig", "ModelDeployConfig"]
@@ -527,7 +529,7 @@ class Settings(BaseSettings):
         "cpu", description="worker device: cpu, cuda[:n], npu[:n]",
         **_spec("BackendConfig", "device", "DEVICE"),
     )
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+    dtype: DtypeName = Field(
         "float32", description="the model's dtype (vLLM's half and float too)",
         **_spec("BackendConfig", "dtype", "DTYPE")
     )
@@ -580,7 +582,7 @@ class Settings(BaseSettings):
     @classmethod
     def _vllm_dtype_names(cls, value: Any) -> Any:
         """vLLM's other names of two dtypes (``--dtype half``, ``float``)."""
-        return {"half": "float16", "float": "float32"}.get(value, value) if isinstance(value, str) else value
+        return DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
 
     @field_validator("cpu_threads_bind")
     @classmethod

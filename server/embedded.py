@@ -36,7 +36,7 @@ from api.main import api_server, run_server
 from common.logs import configure_logging
 from common.process import child_process, command_parser, stop_processes
 from common.run_files import server_run_file
-from common.settings import EngineName, Settings, settings_env, settings_or_exit
+from common.settings import DTYPE_ALIASES, DtypeName, EngineName, Settings, settings_env, settings_or_exit
 from worker.cpu_threads import launched_worker_cores
 from worker.tiny_model import ensure_tiny_model
 
@@ -214,7 +214,7 @@ SETTING_OPTIONS: tuple[tuple[tuple[str, ...], str, dict[str, Any]], ...] = (
     (("--chat-template",), "chat_template",
      {"help": "chat template file or inline Jinja for /v1/chat/completions; overrides CHAT_TEMPLATE"}),
     (("--dtype",), "dtype",
-     {"choices": ["auto", "float32", "float", "float16", "half", "bfloat16"], "help": "overrides DTYPE"}),
+     {"choices": [*get_args(DtypeName), *DTYPE_ALIASES], "help": "overrides DTYPE"}),
     (("--trust-remote-code",), "trust_remote_code",
      {"action": "store_const", "const": True, "help": "run the model folder's own code; overrides TRUST_REMOTE_CODE"}),
     (("--engine",), "engine",
