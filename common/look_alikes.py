@@ -21,11 +21,12 @@ import logging
 from collections.abc import Mapping
 from pathlib import Path
 
+from common.run_files import RUN_DIR_ENV
 from common.settings import Settings, setting_names
 
 log = logging.getLogger("ferry.settings")
 
-FERRY_ENV = ("FERRY_CONFIG", "FERRY_HOME")
+FERRY_ENV = ("FERRY_CONFIG", "FERRY_HOME", RUN_DIR_ENV)
 """Ferry's env vars that are not settings."""
 NEAR_MISS_CUTOFF = 0.85
 """How alike (difflib's ratio) a name must be to one of Ferry's to be taken for a typo of it: MAX_BATCH_SIZES,
