@@ -20,20 +20,18 @@ from typing import Any
 
 import anyio
 from jinja2 import TemplateError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 from starlette.requests import Request
 
 from api import pipeline
 from api.context import ServerContext
 from api.errors import VALIDATION_PREFIX, ProtocolError
 from api.media import MediaData, MediaRefused, MediaSource
-from api.pipeline import GenerationRequest, GenerationResult, PipelineError, Submission
-from common.protocol import DEFAULT_PRIORITY, ParameterError, Priority, SamplingParams
+from api.pipeline import GenerationResult, PipelineError, QueuedRequest, Submission
+from common.protocol import ParameterError, RequestOptions, SamplingParams
 
 INLINE_TOKENIZE_CHARS = 256  # shorter prompts cost less on the event loop than a thread hop (bench/RESULTS.md)
 DEFAULT_MAX_NEW_TOKENS = 20  # SPEC.md, TGI and KServe routes
-# The sampling fields a protocol may carry under the same name and meaning (InferenceRequest.with_sampling).
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "seed", "max_new_tokens")
 
 
 # The statuses KServe v2 and OpenAI both give each pipeline failure: 400 a bad request, 500 a failed generation,
@@ -75,10 +73,11 @@ class Protocol:
         return ProtocolError(self.statuses.get(exc.error_type, 500), message, exc.error_type)
 
 
-class InferenceRequest(BaseModel):
-    """One request as every adapter translates it. Exactly one of ``text``, ``token_ids`` and ``messages``
-    is the prompt; ``prompt_field`` names it in errors. Sampling fields are as sent (None: unset), already
-    in the pipeline's meaning (e.g. top_k 0 is off)."""
+class InferenceRequest(RequestOptions):
+    """One request as every adapter translates it, before :func:`resolve`. Exactly one of ``text``,
+    ``token_ids``, ``messages`` and ``parts`` is the prompt; ``prompt_field`` names it in errors. Sampling fields
+    are as sent (None: unset), already in the pipeline's meaning (e.g. top_k 0 is off); the
+    :class:`~common.protocol.RequestOptions` go to the engines as they are."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -105,16 +104,6 @@ class InferenceRequest(BaseModel):
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
-    decoder_input_details: bool = False
-    adapter: str | None = Field(None, description="the LoRA adapter's name; None: the base model")
-    priority: Priority = Field(DEFAULT_PRIORITY, description="1 (served first) to 5 (the default)")
-
-    @classmethod
-    def with_sampling(cls, params: BaseModel, **fields: Any) -> InferenceRequest:
-        """A request taking the sampling fields ``params`` has under this model's names (TGI's and KServe's
-        parameters do), plus ``fields``."""
-        sent = {name: getattr(params, name) for name in SAMPLING_FIELDS if hasattr(params, name)}
-        return cls(**sent, adapter=getattr(params, "adapter_id", None), **fields)
 
     @property
     def media_sources(self) -> list[MediaSource]:
@@ -167,7 +156,7 @@ async def _render_chat(ctx: ServerContext, protocol: Protocol, request: Inferenc
         raise protocol.invalid(f"the model's chat template rejected the `{field}`: {exc}", field) from None
 
 
-async def resolve(ctx: ServerContext, protocol: Protocol, request: InferenceRequest) -> GenerationRequest:
+async def resolve(ctx: ServerContext, protocol: Protocol, request: InferenceRequest) -> QueuedRequest:
     """The request as the pipeline takes it: the prompt tokenized (text) or rendered and tokenized without
     adding special tokens (messages: the template placed BOS if the model wants one, as transformers and vLLM
     do), then :func:`resolve_ids`; a multimodal prompt's media are read last (:func:`_media`)."""
@@ -226,7 +215,7 @@ async def _media(ctx: ServerContext, protocol: Protocol, request: InferenceReque
 
 def resolve_ids(
     ctx: ServerContext, protocol: Protocol, request: InferenceRequest, ids: list[int] | None = None
-) -> GenerationRequest:
+) -> QueuedRequest:
     """Check the prompt's ids (``ids``, else the request's own) against the model and the server limits,
     and resolve every default."""
     ids = request.token_ids if ids is None else ids
@@ -241,13 +230,11 @@ def resolve_ids(
     if request.token_ids is not None:
         _check_vocabulary(protocol, f"`{field}` token ids", field, ids, vocab_size)
     _check_vocabulary(protocol, "`stop_token_ids`", "stop_token_ids", request.stop_token_ids, vocab_size)
-    return GenerationRequest(
+    return QueuedRequest(
+        **request.options(),
         request_id=request.request_id or new_request_id(),
         input_ids=ids,
         params=_sampling(ctx, protocol, request),
-        decoder_input_details=request.decoder_input_details,
-        adapter=request.adapter,
-        priority=request.priority,
     )
 
 
@@ -298,7 +285,7 @@ def _sampling(ctx: ServerContext, protocol: Protocol, request: InferenceRequest)
 
 
 async def generate(
-    ctx: ServerContext, protocol: Protocol, request: GenerationRequest, client: Request
+    ctx: ServerContext, protocol: Protocol, request: QueuedRequest, client: Request
 ) -> GenerationResult:
     """Run the request to completion (:func:`api.pipeline.generate`); a failure as the protocol's error."""
     try:
@@ -307,7 +294,7 @@ async def generate(
         raise protocol.failure(exc) from None
 
 
-async def submit(ctx: ServerContext, protocol: Protocol, request: GenerationRequest) -> Submission:
+async def submit(ctx: ServerContext, protocol: Protocol, request: QueuedRequest) -> Submission:
     """Queue the request for a stream (:func:`api.pipeline.submit`); a refusal as the protocol's error, so it
     answers with a status before the stream starts."""
     try:

@@ -59,7 +59,7 @@ from api.kserve_schemas import (
     StopInferRequest,
 )
 from api.metrics import series
-from api.pipeline import GenerationRequest, GenerationResult, send_control, unready_reason
+from api.pipeline import GenerationResult, QueuedRequest, send_control, unready_reason
 from api.sse import event_stream
 from common import keys
 from common.connection import REDIS_ERRORS, as_text
@@ -154,19 +154,17 @@ def _inference_request(
     **prompt: Any,
 ) -> InferenceRequest:
     """The KServe parameters as the protocol-neutral request (``prompt``: its ``token_ids`` or ``text``)."""
-    return InferenceRequest.with_sampling(
-        params, request_id=request_id, prompt_field=prompt_field, do_sample=bool(params.do_sample), stop=stop or [],
-        **prompt,
-    )
+    return InferenceRequest(request_id=request_id, prompt_field=prompt_field, stop=stop or [], **prompt,
+                            **params.request_fields())
 
 
-def to_generation_request(ctx: ServerContext, body: KServeInferRequest, binary: bytes = b"") -> GenerationRequest:
+def to_generation_request(ctx: ServerContext, body: KServeInferRequest, binary: bytes = b"") -> QueuedRequest:
     """The infer request as a pipeline request (:func:`api.inference.resolve_ids`)."""
     request = _inference_request(body.sampling, "inputs[0].data", body.id, token_ids=_token_ids(body.input, binary))
     return resolve_ids(ctx, KSERVE, request)
 
 
-async def text_to_generation_request(ctx: ServerContext, body: KServeGenerateRequest) -> GenerationRequest:
+async def text_to_generation_request(ctx: ServerContext, body: KServeGenerateRequest) -> QueuedRequest:
     """The generate extension's request as a pipeline request (:func:`api.inference.resolve`)."""
     params = body.sampling
     assert not isinstance(params.stop, str)  # its validator made it a list
@@ -175,7 +173,7 @@ async def text_to_generation_request(ctx: ServerContext, body: KServeGenerateReq
 
 
 def infer_response(
-    ctx: ServerContext, body: KServeInferRequest, request: GenerationRequest, result: GenerationResult
+    ctx: ServerContext, body: KServeInferRequest, request: QueuedRequest, result: GenerationResult
 ) -> Response:
     """``output0`` as JSON ``data``, or as binary data after the JSON when the request asked for it."""
     ids = [token.id for token in result.tokens]

@@ -75,6 +75,15 @@ class SamplingParameters(BaseModel):
 
     _adapter_id = field_validator("adapter_id")(staticmethod(validate_adapter_id))
 
+    def request_fields(self) -> dict[str, Any]:
+        """These parameters under the names of the protocol-neutral request (:class:`api.inference.InferenceRequest`),
+        each mapped explicitly."""
+        return {
+            "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "seed": self.seed,
+            "repetition_penalty": self.repetition_penalty, "max_new_tokens": self.max_new_tokens,
+            "do_sample": bool(self.do_sample), "adapter": self.adapter_id,
+        }
+
 
 P = TypeVar("P", bound=SamplingParameters)
 

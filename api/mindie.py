@@ -85,7 +85,7 @@ from api.mindie_schemas import (
     VLLMGenerateRequest,
     VLLMGenerateResponse,
 )
-from api.pipeline import GenerationRequest, PipelineError, Submission, unready_reason
+from api.pipeline import PipelineError, QueuedRequest, Submission, unready_reason
 from api.rules import GREEDY_TEMPERATURE
 from api.sse import event_stream
 from api.tgi import TGI, render_tgi_error
@@ -217,16 +217,8 @@ def infer_inference_request(body: MindIEInferRequest, request_id: str, stream: b
         raise TGI.invalid("`return_full_text` needs a text prompt (`inputs`), not `input_id`", "return_full_text")
     prompt = {"prompt_field": "inputs", "text": body.inputs} if body.inputs is not None else {
         "prompt_field": "input_id", "token_ids": body.input_id}
-    return InferenceRequest.with_sampling(
-        params,
-        request_id=request_id,
-        **prompt,
-        truncate=params.truncate,
-        do_sample=params.sampling,
-        stop=params.stop or [],
-        decoder_input_details=bool(params.decoder_input_details),
-        priority=DEFAULT_PRIORITY if params.priority is None else params.priority,
-    )
+    return InferenceRequest(request_id=request_id, **prompt, **params.request_fields(),
+                            priority=DEFAULT_PRIORITY if params.priority is None else params.priority)
 
 
 def _full_text(body: MindIEInferRequest, generated: str) -> str:
@@ -268,7 +260,7 @@ async def infer(body: MindIEInferRequest, ctx: Ctx, http: Request) -> Response:
 
 
 async def _infer_stream(
-    ctx: ServerContext, body: MindIEInferRequest, request: GenerationRequest, deadline: float | None
+    ctx: ServerContext, body: MindIEInferRequest, request: QueuedRequest, deadline: float | None
 ) -> Response:
     """Queue first (a refusal answers with a status), then one SSE event per token."""
     queued_at = time.monotonic()

@@ -53,7 +53,7 @@ from api.openai_schemas import (
     UnloadLoraAdapterRequest,
     Usage,
 )
-from api.pipeline import GenerationRequest, PipelineError
+from api.pipeline import PipelineError, QueuedRequest
 from api.rules import GREEDY_TEMPERATURE
 from api.sse import event_stream
 from common.protocol import Finish, TokenEvent
@@ -141,7 +141,7 @@ def _inference_request(body: SamplingRequest, request_id: str, max_tokens: int |
 
 
 async def to_completion_request(ctx: ServerContext, body: CompletionRequest, request_id: str,
-                                adapter: str | None = None) -> GenerationRequest:
+                                adapter: str | None = None) -> QueuedRequest:
     """``/v1/completions`` as a pipeline request for the model of ``ctx`` and its ``adapter``
     (:func:`model_context`)."""
     prompt = {"text": body.prompt} if isinstance(body.prompt, str) else {"token_ids": body.prompt}
@@ -151,7 +151,7 @@ async def to_completion_request(ctx: ServerContext, body: CompletionRequest, req
 
 
 async def to_chat_request(ctx: ServerContext, body: ChatCompletionRequest, request_id: str,
-                          adapter: str | None = None) -> GenerationRequest:
+                          adapter: str | None = None) -> QueuedRequest:
     """``/v1/chat/completions`` as a pipeline request for the model of ``ctx`` and its ``adapter``
     (:func:`model_context`): the messages go through the model's chat template; ``max_tokens`` defaults to
     maxIterTimes."""
@@ -236,7 +236,7 @@ def _chunk_json(chunk: BaseModel, include_usage: bool) -> str:
     return chunk.model_dump_json(exclude=None if include_usage else {"usage"})
 
 
-async def _stream(ctx: ServerContext, request: GenerationRequest, shape: Shape, include_usage: bool,
+async def _stream(ctx: ServerContext, request: QueuedRequest, shape: Shape, include_usage: bool,
                   continuous_usage: bool) -> Response:
     """Queue the request (failures answer with a status), then stream: the opening chunks, one chunk per
     non-empty text delta, the closing chunk with the finish reason, the usage chunk when asked for, ``[DONE]``.
@@ -276,7 +276,7 @@ async def _stream(ctx: ServerContext, request: GenerationRequest, shape: Shape, 
 
 
 async def _respond(
-    ctx: ServerContext, body: SamplingRequest, request: GenerationRequest, shape: Shape, http: Request
+    ctx: ServerContext, body: SamplingRequest, request: QueuedRequest, shape: Shape, http: Request
 ) -> Response:
     """The stream when asked for, else the whole response once generation finishes."""
     if body.stream:

@@ -26,15 +26,12 @@ from common import keys
 from common.connection import REDIS_ERRORS, as_text, publish, publish_command
 from common.logs import bind_request_id
 from common.protocol import (
-    DEFAULT_PRIORITY,
-    AdapterRef,
     Control,
     ErrorEvent,
     Finish,
+    GenerationRequest,
     Job,
     MediaRef,
-    Priority,
-    SamplingParams,
     TokenEvent,
     TokenInfo,
     decode_event,
@@ -54,16 +51,11 @@ class PipelineError(Exception):
         self.error_type = error_type
 
 
-class GenerationRequest(BaseModel):
-    """The protocol-independent request: what every adapter's input is translated to."""
+class QueuedRequest(GenerationRequest):
+    """A resolved request with its media items read: the job carries them as Redis keys (:class:`MediaRef`),
+    written when it is queued."""
 
-    request_id: str
-    input_ids: list[int] = Field(min_length=1)
-    params: SamplingParams
-    decoder_input_details: bool = False
     media: list[MediaData] = Field(default_factory=list, description="read and checked, in placeholder order")
-    adapter: str | None = Field(None, description="the LoRA adapter's name; None: the base model")
-    priority: Priority = Field(DEFAULT_PRIORITY, description="1 (served first) to 5 (the default)")
 
 
 class GenerationResult(BaseModel):
@@ -218,7 +210,7 @@ async def send_control(ctx: ServerContext, control: Control) -> None:
     await pipe.execute()
 
 
-async def submit(ctx: ServerContext, request: GenerationRequest) -> Submission:
+async def submit(ctx: ServerContext, request: QueuedRequest) -> Submission:
     """Check the pod's and the queue's limits, then queue the request's job (see :func:`_queue`); counted in
     the metrics either way, and the request id tags the handler's log lines from here on."""
     bind_request_id(request.request_id)
@@ -251,17 +243,20 @@ return {'ok', depth}
 """
 
 
-async def _adapter(ctx: ServerContext, name: str) -> AdapterRef:
-    """The model's LoRA adapter ``name`` with its folder; a ``validation`` error when the model does not have it."""
+async def _adapter_path(ctx: ServerContext, name: str | None) -> str | None:
+    """The folder of the model's LoRA adapter ``name`` (None: the base model, no folder); a ``validation``
+    error when the model does not have it."""
+    if name is None:
+        return None
     model = ctx.model.model_id
     path = await ctx.redis.hget(keys.adapters_key(model), name)
     if path is None:
         raise PipelineError(f"the LoRA adapter `{name}` is not loaded for model `{model}` (configure it in "
                             "loraModules or load it with POST /v1/load_lora_adapter)", "validation")
-    return AdapterRef(name=name, path=as_text(path))
+    return as_text(path)
 
 
-async def _admit(ctx: ServerContext, job: Job, request: GenerationRequest) -> None:
+async def _admit(ctx: ServerContext, job: Job, request: QueuedRequest) -> None:
     """Queue the job with :data:`ADMIT_SCRIPT`, its media written first in the same round trip (a worker may
     take the job at once) and deleted when it is refused: ``validation`` for a request id in flight,
     ``overloaded`` at maxQueueSize jobs queued or running."""
@@ -287,7 +282,7 @@ async def _admit(ctx: ServerContext, job: Job, request: GenerationRequest) -> No
                         f"{settings.max_queue_size}); retry later", "overloaded")
 
 
-async def _queue(ctx: ServerContext, request: GenerationRequest) -> Submission:
+async def _queue(ctx: ServerContext, request: QueuedRequest) -> Submission:
     """Check the pod's and the queue's limits, then queue the request's job.
 
     Raises :class:`PipelineError`: ``overloaded`` past maxLinkNum requests on this pod or maxQueueSize jobs
@@ -304,22 +299,7 @@ async def _queue(ctx: ServerContext, request: GenerationRequest) -> Submission:
         raise PipelineError(f"too many concurrent requests on this server (maxLinkNum {settings.max_link_num})",
                             "overloaded")
     now, queued_at = time.time(), time.monotonic()
-    # The job's id is unique to this submission (the client's id is unique only while in flight), so a late
-    # event or control message of an earlier request with the same client id never applies to this one.
-    job_id = f"{request.request_id}.{uuid.uuid4().hex[:12]}"
-    job = Job(
-        request_id=job_id,
-        model=ctx.model.model_id,
-        reply_channel=ctx.relay.channel(job_id),
-        input_ids=request.input_ids,
-        params=request.params,
-        decoder_input_details=request.decoder_input_details,
-        media=[MediaRef(kind=item.kind, key=keys.media_key(ctx.model.model_id, job_id, index), size=len(item.data))
-               for index, item in enumerate(request.media)],
-        priority=request.priority,
-        enqueued_at=now,
-        deadline=now + settings.e2e_timeout,
-    )
+    job_id = f"{request.request_id}.{uuid.uuid4().hex[:12]}"  # Job.request_id: unique to this submission
     # Registering takes one of the pod's maxLinkNum places with no await since the check above, so
     # concurrent requests cannot all pass the check; every failure below gives the place back.
     try:
@@ -327,8 +307,16 @@ async def _queue(ctx: ServerContext, request: GenerationRequest) -> Submission:
     except RelayUnavailable as exc:
         raise PipelineError(f"the events relay is unavailable: {exc}", "unavailable") from None
     try:
-        if request.adapter is not None:
-            job.adapter = await _adapter(ctx, request.adapter)
+        job = Job(
+            **{**request.resolved(), "request_id": job_id},
+            model=ctx.model.model_id,
+            reply_channel=ctx.relay.channel(job_id),
+            media=[MediaRef(kind=item.kind, key=keys.media_key(ctx.model.model_id, job_id, index),
+                            size=len(item.data)) for index, item in enumerate(request.media)],
+            adapter_path=await _adapter_path(ctx, request.adapter),
+            enqueued_at=now,
+            deadline=now + settings.e2e_timeout,
+        )
         await _admit(ctx, job, request)
     except BaseException as exc:
         ctx.relay.release(job_id)
@@ -338,7 +326,7 @@ async def _queue(ctx: ServerContext, request: GenerationRequest) -> Submission:
     return Submission(ctx, job, queue, request.request_id, queued_at)
 
 
-async def generate(ctx: ServerContext, request: GenerationRequest, client: Request | None = None) -> GenerationResult:
+async def generate(ctx: ServerContext, request: QueuedRequest, client: Request | None = None) -> GenerationResult:
     """Run the request to completion and return all its tokens (see :meth:`Submission.events`).
 
     When the HTTP ``client`` leaves first, collecting stops at once and :meth:`Submission.close` tells the

@@ -19,7 +19,7 @@ from api.context import ServerContext, get_ctx
 from api.errors import OpenApiResponses, ProtocolError, error_route_class
 from api.health import HealthResponse, health_response, model_states
 from api.inference import InferenceRequest, Protocol, generate, resolve, submit
-from api.pipeline import GenerationRequest, GenerationResult, PipelineError, unready_reason
+from api.pipeline import GenerationResult, PipelineError, QueuedRequest, unready_reason
 from api.rules import MAX_STOP_ITEMS, REQUEST_ID_PATTERN, REQUEST_ID_REGEX
 from api.sse import event_stream
 from api.tgi_schemas import (
@@ -81,23 +81,14 @@ def client_request_id(header: str | None) -> str | None:
 
 async def to_generation_request(
     ctx: ServerContext, body: TGIRequest, request_id: str | None, stream: bool
-) -> GenerationRequest:
+) -> QueuedRequest:
     """The TGI body as a pipeline request (:func:`api.inference.resolve`)."""
     params = body.parameters
     if stream and params.decoder_input_details:
         raise TGI.invalid("`decoder_input_details` == true is not supported when streaming tokens",
                           "decoder_input_details")
     prompt = {"text": body.inputs} if isinstance(body.inputs, str) else {"parts": prompt_parts(body.inputs)}
-    request = InferenceRequest.with_sampling(
-        params,
-        request_id=request_id,
-        prompt_field="inputs",
-        **prompt,
-        truncate=params.truncate,
-        do_sample=params.sampling,
-        stop=params.stop or [],
-        decoder_input_details=bool(params.decoder_input_details),
-    )
+    request = InferenceRequest(request_id=request_id, prompt_field="inputs", **prompt, **params.request_fields())
     return await resolve(ctx, TGI, request)
 
 

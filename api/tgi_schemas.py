@@ -84,6 +84,16 @@ class TGIParameters(BaseModel):
 
     _adapter_id = field_validator("adapter_id")(staticmethod(validate_adapter_id))
 
+    def request_fields(self) -> dict[str, Any]:
+        """These parameters under the names of the protocol-neutral request (:class:`api.inference.InferenceRequest`),
+        each mapped explicitly; ``details``, ``return_full_text`` and the validated-only fields shape the answer."""
+        return {
+            "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "typical_p": self.typical_p,
+            "repetition_penalty": self.repetition_penalty, "seed": self.seed, "max_new_tokens": self.max_new_tokens,
+            "do_sample": self.sampling, "truncate": self.truncate, "stop": self.stop or [],
+            "decoder_input_details": bool(self.decoder_input_details), "adapter": self.adapter_id,
+        }
+
     @property
     def wants_details(self) -> bool:
         return bool(self.details or self.decoder_input_details)

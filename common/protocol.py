@@ -1,7 +1,8 @@
 """The wire protocol between API pods and workers.
 
-An API pod validates a request, turns it into a :class:`Job` (already tokenized, every sampling parameter
-resolved, a seed always set) and XADDs it to the model's job stream. A worker publishes one
+An API pod validates a request, resolves it into the one :class:`GenerationRequest` type (already tokenized,
+every sampling parameter resolved, a seed always set) and XADDs it, as a :class:`Job`, to the model's job
+stream. A worker publishes one
 :class:`TokenEvent` per generated token to the job's ``reply_channel``; the last one carries
 :class:`Finish`. A failure is one :class:`ErrorEvent`. Protocol adapters (TGI, KServe v2, ...) translate
 their own request/response shapes onto these models and nothing else.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import math
 import struct
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
@@ -124,20 +125,54 @@ class AdapterRef(BaseModel):
     path: str = Field(min_length=1)
 
 
-class Job(BaseModel):
-    """One generation request as queued in the model's job stream."""
+class RequestOptions(BaseModel):
+    """The request's fields that go from the client to the engines as sent: adapters map their wire fields onto
+    these, and :class:`GenerationRequest` carries them to the worker with no code between."""
 
-    request_id: str
-    model: str
-    reply_channel: str = Field(description="pub/sub channel the worker publishes this job's events to")
+    decoder_input_details: bool = Field(False, description="return log-probs of the prompt tokens")
+    adapter: str | None = Field(None, description="the LoRA adapter's name; None: the base model")
+    priority: Priority = Field(DEFAULT_PRIORITY, description="1 (taken first) to 5 (the default); its job stream's")
+
+    def options(self) -> dict[str, Any]:
+        """These fields as keyword arguments, for the next stage's type."""
+        return {name: getattr(self, name) for name in RequestOptions.model_fields}
+
+
+class GenerationRequest(RequestOptions):
+    """The request, resolved: what every protocol's body becomes in the API (the prompt tokenized, every
+    sampling parameter set, a seed always chosen) and, as a :class:`Job`, what a worker runs."""
+
+    request_id: str = Field(description="the client's id, or a new one; a job's adds a nonce (see Job)")
     input_ids: list[int] = Field(min_length=1)
     params: SamplingParams
-    decoder_input_details: bool = Field(False, description="return log-probs of the prompt tokens")
+
+    def resolved(self) -> dict[str, Any]:
+        """The resolved request's fields as keyword arguments, for the job that queues it."""
+        return {name: getattr(self, name) for name in GenerationRequest.model_fields}
+
+
+class Job(GenerationRequest):
+    """One generation request as queued in the model's job stream: the resolved request, with where its events
+    go and what the API looked up for it. Its ``request_id`` is unique to the submission (the client's id with
+    a nonce), so a late event or control message of an earlier request with the same client id never applies."""
+
+    model: str
+    reply_channel: str = Field(description="pub/sub channel the worker publishes this job's events to")
     media: list[MediaRef] = Field(default_factory=list, description="the media items, in placeholder order")
-    adapter: AdapterRef | None = Field(None, description="the LoRA adapter; None: the base model")
-    priority: Priority = Field(DEFAULT_PRIORITY, description="1 (taken first) to 5; its job stream's")
+    adapter_path: str | None = Field(None, min_length=1, description="the folder of the LoRA ``adapter``")
     enqueued_at: float = Field(description="unix time the API queued the job")
     deadline: float | None = Field(None, description="unix time after which nobody waits for the result")
+
+    @model_validator(mode="after")
+    def _adapter_has_a_path(self) -> Job:
+        if (self.adapter is None) != (self.adapter_path is None):
+            raise ValueError("a job names a LoRA adapter and its folder, or neither")
+        return self
+
+    @property
+    def adapter_ref(self) -> AdapterRef | None:
+        """The LoRA adapter to run with, None for the base model (a copy without its folder fails validation)."""
+        return None if self.adapter is None else AdapterRef(name=self.adapter, path=self.adapter_path or "")
 
     def local_deadline(self) -> float:
         """The deadline on this process's monotonic clock (``math.inf`` when none).

@@ -8,10 +8,10 @@ import pytest
 
 import api.pipeline
 from api.context import ServerContext
-from api.pipeline import GenerationRequest, PipelineError
+from api.pipeline import PipelineError, QueuedRequest
 from common.protocol import Finish, TokenEvent, TokenInfo
 
-SubmitFn = Callable[[ServerContext, GenerationRequest], Awaitable["FakeSubmission"]]
+SubmitFn = Callable[[ServerContext, QueuedRequest], Awaitable["FakeSubmission"]]
 
 
 class FakeSubmission:
@@ -47,7 +47,7 @@ def patch_submit(monkeypatch: pytest.MonkeyPatch, submit: SubmitFn) -> None:
     monkeypatch.setattr(api.pipeline, "submit", submit)
 
 
-async def one_token_submit(ctx: ServerContext, request: GenerationRequest) -> FakeSubmission:
+async def one_token_submit(ctx: ServerContext, request: QueuedRequest) -> FakeSubmission:
     """A stand-in worker answering one token, "x", to every accepted request."""
     token = TokenInfo(id=5, text="x", logprob=-0.5, special=False)
     finish = Finish(finish_reason="length", generated_tokens=1, prompt_tokens=len(request.input_ids),

@@ -17,7 +17,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from api.pipeline import GenerationRequest
+from api.pipeline import QueuedRequest
 from common import keys
 from common.protocol import Finish, TokenEvent, TokenInfo
 from common.settings import ConfigError, ModelEntry, Settings, env_names, flatten_config, load_settings
@@ -246,7 +246,7 @@ def test_the_api_pod_serves_every_listed_model(
 
     queued_for: list[str] = []
 
-    async def fake_submit(ctx: Any, request: GenerationRequest) -> FakeSubmission:
+    async def fake_submit(ctx: Any, request: QueuedRequest) -> FakeSubmission:
         queued_for.append(ctx.model.model_id)
         finish = Finish(finish_reason="length", generated_tokens=1, prompt_tokens=len(request.input_ids),
                         seed=request.params.seed, generated_text="x")

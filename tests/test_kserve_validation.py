@@ -33,7 +33,7 @@ from api.kserve import (
     to_generation_request,
 )
 from api.kserve_schemas import KServeGenerateRequest, KServeInferRequest, SamplingParameters
-from api.pipeline import GenerationRequest, GenerationResult, PipelineError
+from api.pipeline import GenerationResult, PipelineError, QueuedRequest
 from common import keys
 from common.protocol import Finish, TokenEvent, TokenInfo
 from common.settings import Settings
@@ -74,15 +74,15 @@ def binary_request(ids: list[int], **parameters: Any) -> tuple[bytes, str]:
 
 
 
-def resolve(ctx: ServerContext, body: dict[str, Any]) -> GenerationRequest:
+def resolve(ctx: ServerContext, body: dict[str, Any]) -> QueuedRequest:
     return to_generation_request(ctx, KServeInferRequest.model_validate(body))
 
 
-async def resolve_generate(ctx: ServerContext, body: dict[str, Any]) -> GenerationRequest:
+async def resolve_generate(ctx: ServerContext, body: dict[str, Any]) -> QueuedRequest:
     return await text_to_generation_request(ctx, KServeGenerateRequest.model_validate(body))
 
 
-def result_for(request: GenerationRequest, ids: list[int]) -> GenerationResult:
+def result_for(request: QueuedRequest, ids: list[int]) -> GenerationResult:
     tokens = [TokenInfo(id=i, text=f"<{i}>", logprob=-0.5, special=False) for i in ids]
     finish = Finish(
         finish_reason="length", generated_tokens=len(ids), prompt_tokens=len(request.input_ids),
@@ -137,9 +137,9 @@ def token_events(result: GenerationResult) -> list[TokenEvent]:
 
 
 @pytest.fixture
-def stand_in_worker(monkeypatch: pytest.MonkeyPatch) -> list[GenerationRequest]:
+def stand_in_worker(monkeypatch: pytest.MonkeyPatch) -> list[QueuedRequest]:
     """Accepted requests are recorded and answered with the generated ids 7, 8, 9."""
-    accepted: list[GenerationRequest] = []
+    accepted: list[QueuedRequest] = []
 
     async def fake_submit(ctx, request):
         accepted.append(request)
@@ -418,7 +418,7 @@ def test_binary_tensor_request_is_decoded(ctx: ServerContext, vocab_size: int) -
 # --------------------------------------------------------------------------------------------- infer: responses
 
 
-def test_infer_json_response(client: TestClient, stand_in_worker: list[GenerationRequest]) -> None:
+def test_infer_json_response(client: TestClient, stand_in_worker: list[QueuedRequest]) -> None:
     response = client.post(INFER, json=infer_body(max_new_tokens=3))
     assert response.status_code == 200, response.text
     assert response.json() == {
@@ -430,7 +430,7 @@ def test_infer_json_response(client: TestClient, stand_in_worker: list[Generatio
 
 
 def test_infer_response_without_request_id_names_the_generated_one(
-    client: TestClient, stand_in_worker: list[GenerationRequest]
+    client: TestClient, stand_in_worker: list[QueuedRequest]
 ) -> None:
     body = infer_body()
     del body["id"]
@@ -440,7 +440,7 @@ def test_infer_response_without_request_id_names_the_generated_one(
 
 
 def test_infer_binary_response_parses_in_tritonclient(
-    client: TestClient, stand_in_worker: list[GenerationRequest]
+    client: TestClient, stand_in_worker: list[QueuedRequest]
 ) -> None:
     raw, length = binary_request(PROMPT_IDS)
     response = client.post(INFER, content=raw, headers={HEADER: length})
@@ -456,7 +456,7 @@ def test_infer_binary_response_parses_in_tritonclient(
 
 @pytest.mark.parametrize("outputs", [..., None, []], ids=["absent", "null", "empty"])
 def test_infer_without_outputs_answers_output0(
-    client: TestClient, stand_in_worker: list[GenerationRequest], outputs: Any
+    client: TestClient, stand_in_worker: list[QueuedRequest], outputs: Any
 ) -> None:
     """``outputs`` is optional in KServe v2 (all the model's outputs: output0); tritonclient leaves it out and
     asks for binary data with the request's ``binary_data_output`` instead."""
@@ -473,7 +473,7 @@ def test_infer_without_outputs_answers_output0(
 
 
 def test_request_level_binary_data_output_and_output_override(
-    client: TestClient, stand_in_worker: list[GenerationRequest]
+    client: TestClient, stand_in_worker: list[QueuedRequest]
 ) -> None:
     body = infer_body(place="request", binary_data_output=True)
     assert HEADER in client.post(INFER, json=body).headers
@@ -625,14 +625,14 @@ async def test_generate_acceptance(ctx: ServerContext, tiny_model_path: Path) ->
     assert (await resolve_generate(ctx, {"text_input": "x"})).params.max_new_tokens == 20
 
 
-def test_generate_response(client: TestClient, stand_in_worker: list[GenerationRequest]) -> None:
+def test_generate_response(client: TestClient, stand_in_worker: list[QueuedRequest]) -> None:
     response = client.post(GENERATE, json={"text_input": "def main(", "parameters": {"max_tokens": 3}})
     assert response.status_code == 200, response.text
     assert response.json() == {"model_name": MODEL, "model_version": "", "text_output": "<7><8><9>"}
 
 
 
-def test_generate_stream_events(client: TestClient, stand_in_worker: list[GenerationRequest]) -> None:
+def test_generate_stream_events(client: TestClient, stand_in_worker: list[QueuedRequest]) -> None:
     response = client.post(GENERATE_STREAM, json={"text_input": "def main("})
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/event-stream")

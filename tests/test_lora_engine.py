@@ -19,7 +19,7 @@ from peft import PeftModel
 from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from common.protocol import AdapterRef, Job, TokenEvent
+from common.protocol import Job, TokenEvent
 from common.settings import Settings
 from tests.helpers import ENGINES, PROMPTS, VLLM_ARGS, collect, greedy_reference, make_job, require_vllm, token_ids
 from tests.helpers import run_complete as run  # the built-in engine fails no request here
@@ -89,13 +89,14 @@ def adapter_job(input_ids: list[int], adapter: tuple[str, Path] | None, max_new_
     if adapter is None:
         return job
     name, path = adapter
-    return job.model_copy(update={"adapter": AdapterRef(name=name, path=str(path))})
+    return job.model_copy(update={"adapter": name, "adapter_path": str(path)})
 
 
 def alone(engine: Engine, job: Job) -> list[int]:
     """The job's ids when it runs by itself (a fresh request id, the engine idle before and after)."""
     assert engine.idle
-    copy = make_job(job.input_ids).model_copy(update={"params": job.params, "adapter": job.adapter})
+    copy = make_job(job.input_ids).model_copy(
+        update={"params": job.params, "adapter": job.adapter, "adapter_path": job.adapter_path})
     return token_ids(run(engine, {0: [copy]})[copy.request_id])
 
 

@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 
 from api.app import create_app
 from api.context import ServerContext
-from api.pipeline import GenerationRequest
+from api.pipeline import QueuedRequest
 from common import keys
 from common.protocol import decode_event
 from common.settings import Settings
@@ -39,15 +39,15 @@ MAX_ITER_TIMES = 64
 
 
 @pytest.fixture(scope="module")
-def queued() -> list[GenerationRequest]:
+def queued() -> list[QueuedRequest]:
     return []
 
 
 @pytest.fixture(scope="module")
-def client(tiny_model_path: Path, queued: list[GenerationRequest]) -> Iterator[TestClient]:
+def client(tiny_model_path: Path, queued: list[QueuedRequest]) -> Iterator[TestClient]:
     """The app over fakeredis; every queued request is answered with one token "x" by a stand-in worker."""
 
-    async def submit(ctx: ServerContext, request: GenerationRequest) -> FakeSubmission:
+    async def submit(ctx: ServerContext, request: QueuedRequest) -> FakeSubmission:
         queued.append(request)
         return await one_token_submit(ctx, request)
 
@@ -65,7 +65,7 @@ def tokenizer(tiny_model_path: Path):
 
 
 
-def test_vllm_generate_shape_and_resolved_fields(client: TestClient, queued: list[GenerationRequest]) -> None:
+def test_vllm_generate_shape_and_resolved_fields(client: TestClient, queued: list[QueuedRequest]) -> None:
     response = client.post("/generate", json={"prompt": "hello", "temperature": 0, "top_k": -1, "stop": "\n"})
     assert response.status_code == 200, response.text
     assert response.json() == {"text": ["hellox"]}
@@ -80,7 +80,7 @@ def test_vllm_generate_shape_and_resolved_fields(client: TestClient, queued: lis
                             "`x-request-id` must be")
 
 
-def test_vllm_generate_samples_by_default_as_vllm(client: TestClient, queued: list[GenerationRequest]) -> None:
+def test_vllm_generate_samples_by_default_as_vllm(client: TestClient, queued: list[QueuedRequest]) -> None:
     body = {"prompt": "hello", "max_tokens": 5, "top_k": 7, "top_p": 0.5, "seed": 0, "repetition_penalty": 1.2,
             "presence_penalty": 0, "frequency_penalty": 0.0, "stop_token_ids": [2], "ignore_eos": True,
             "include_stop_str_in_output": False, "skip_special_tokens": True, "n": 1, "stream": None}
@@ -91,7 +91,7 @@ def test_vllm_generate_samples_by_default_as_vllm(client: TestClient, queued: li
     assert params.stop_token_ids == [2] and params.ignore_eos
 
 
-def test_tgi_generate_still_tgi(client: TestClient, queued: list[GenerationRequest]) -> None:
+def test_tgi_generate_still_tgi(client: TestClient, queued: list[QueuedRequest]) -> None:
     response = client.post("/generate", json={"inputs": "hello", "parameters": {"details": True}})
     assert response.status_code == 200, response.text
     assert response.json()["generated_text"] == "x" and response.json()["details"]["generated_tokens"] == 1
@@ -139,7 +139,7 @@ def test_vllm_generate_validation(client: TestClient, body: dict[str, Any], frag
     assert_mindie_error(client.post("/generate", json=body), *fragments)
 
 
-def test_infer_text_and_token_shapes(client: TestClient, queued: list[GenerationRequest], tokenizer) -> None:
+def test_infer_text_and_token_shapes(client: TestClient, queued: list[QueuedRequest], tokenizer) -> None:
     for route in ("/infer", "/infer_token"):
         response = client.post(route, json={"inputs": PROMPT, "parameters": {"priority": 1, "timeout": 30}})
         assert response.status_code == 200, response.text
@@ -225,7 +225,7 @@ def test_infer_timeout_is_the_requests_deadline(tiny_model_path: Path) -> None:
             await asyncio.sleep(3600)
             yield  # pragma: no cover
 
-    async def submit(ctx: ServerContext, request: GenerationRequest) -> FakeSubmission:
+    async def submit(ctx: ServerContext, request: QueuedRequest) -> FakeSubmission:
         return Silent(ctx, [])
 
     settings = Settings(model_path=tiny_model_path, token_timeout=600, e2e_timeout=600)

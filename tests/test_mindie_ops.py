@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.context import ServerContext
-from api.pipeline import GenerationRequest
+from api.pipeline import QueuedRequest
 from common import keys
 from common.protocol import Finish, WorkerStatus
 from common.settings import ModelEntry, Settings
@@ -167,9 +167,9 @@ def test_timed_health_answers_from_the_last_probe_for_a_while(
 ) -> None:
     client, server = two_models
     _with_workers(server, "first", {"cpu:a:1": None})
-    probes: list[GenerationRequest] = []
+    probes: list[QueuedRequest] = []
 
-    async def answer(ctx: ServerContext, request: GenerationRequest) -> FakeSubmission:
+    async def answer(ctx: ServerContext, request: QueuedRequest) -> FakeSubmission:
         probes.append(request)
         return await one_token_submit(ctx, request)
 

@@ -28,7 +28,7 @@ from api.context import ModelInfo, ServerContext
 from api.errors import ProtocolError
 from api.openai import to_chat_request, to_completion_request
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
-from api.pipeline import GenerationRequest, PipelineError
+from api.pipeline import PipelineError, QueuedRequest
 from common.protocol import Finish, FinishReason, TokenEvent, TokenInfo
 from common.settings import ConfigError, Settings, load_settings
 from tests import helpers
@@ -65,15 +65,15 @@ def post(client: TestClient, route: str, body: Any) -> Any:
 
 
 
-async def resolve_completion(ctx: ServerContext, **fields: Any) -> GenerationRequest:
+async def resolve_completion(ctx: ServerContext, **fields: Any) -> QueuedRequest:
     return await to_completion_request(ctx, CompletionRequest.model_validate(completion_body(**fields)), "cmpl-1")
 
 
-async def resolve_chat(ctx: ServerContext, **fields: Any) -> GenerationRequest:
+async def resolve_chat(ctx: ServerContext, **fields: Any) -> QueuedRequest:
     return await to_chat_request(ctx, ChatCompletionRequest.model_validate(chat_body(**fields)), "chatcmpl-1")
 
 
-def canned_events(request: GenerationRequest, pieces: list[str], reason: FinishReason) -> list[TokenEvent]:
+def canned_events(request: QueuedRequest, pieces: list[str], reason: FinishReason) -> list[TokenEvent]:
     """Token events for ``pieces`` (ids 7, 8, ...), the last with its finish."""
     tokens = [TokenInfo(id=7 + i, text=p, logprob=-0.5, special=False) for i, p in enumerate(pieces)]
     finish = Finish(
@@ -141,9 +141,9 @@ def nothing_is_queued(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def stand_in_worker(monkeypatch: pytest.MonkeyPatch) -> list[GenerationRequest]:
+def stand_in_worker(monkeypatch: pytest.MonkeyPatch) -> list[QueuedRequest]:
     """Accepted requests are recorded and answered with the pieces "Hel", "" (held back), "lo", then length."""
-    accepted: list[GenerationRequest] = []
+    accepted: list[QueuedRequest] = []
 
     async def fake_submit(ctx, request):
         accepted.append(request)
@@ -373,7 +373,7 @@ OTHER_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{
 @pytest.mark.parametrize("given_as", ["inline", "file"])
 @pytest.mark.parametrize("model", ["plain", "chat"])
 def test_chat_template_option_renders_the_messages(
-    plain_model_path: Path, chat_model_path: Path, tmp_path: Path, stand_in_worker: list[GenerationRequest],
+    plain_model_path: Path, chat_model_path: Path, tmp_path: Path, stand_in_worker: list[QueuedRequest],
     given_as: str, model: str,
 ) -> None:
     """CHAT_TEMPLATE (``--chat-template``, ``ServerConfig.chatTemplate``), inline or a file, is the default
@@ -427,7 +427,7 @@ async def test_chat_template_errors_are_400(chat_ctx: ServerContext) -> None:
 @pytest.mark.parametrize("name", ["dummy", "tgi", "gpt-4o", ""])
 @pytest.mark.parametrize(("route", "body"), [(COMPLETIONS, completion_body()), (CHAT, chat_body())])
 def test_one_served_model_answers_to_any_name(
-    chat_client: TestClient, stand_in_worker: list[GenerationRequest], route: str, body: dict[str, Any], name: str
+    chat_client: TestClient, stand_in_worker: list[QueuedRequest], route: str, body: dict[str, Any], name: str
 ) -> None:
     """TGI's rule, which huggingface_hub relies on (it sends ``"dummy"``): with one model, the name is not
     checked; the answer names the model that served it."""
@@ -469,7 +469,7 @@ def test_a_model_name_that_is_not_unicode_is_400(two_models_client: TestClient, 
 
 
 def test_with_several_models_the_named_one_answers(
-    two_models_client: TestClient, stand_in_worker: list[GenerationRequest], chat_model_path: Path
+    two_models_client: TestClient, stand_in_worker: list[QueuedRequest], chat_model_path: Path
 ) -> None:
     """Each request goes to the model it names: only ``chatty`` has a chat template."""
     response = post(two_models_client, CHAT, chat_body(model="chatty"))
@@ -662,7 +662,7 @@ async def test_chat_sampling_is_translated_as_for_completions(chat_ctx: ServerCo
 # --------------------------------------------------------------------------------------------- responses
 
 
-def test_completion_response(client: TestClient, stand_in_worker: list[GenerationRequest]) -> None:
+def test_completion_response(client: TestClient, stand_in_worker: list[QueuedRequest]) -> None:
     response = post(client, COMPLETIONS, completion_body(max_tokens=3))
     assert response.status_code == 200
     body = response.json()
@@ -674,7 +674,7 @@ def test_completion_response(client: TestClient, stand_in_worker: list[Generatio
     assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 3, "total_tokens": prompt_tokens + 3}
 
 
-def test_chat_response(chat_client: TestClient, stand_in_worker: list[GenerationRequest]) -> None:
+def test_chat_response(chat_client: TestClient, stand_in_worker: list[QueuedRequest]) -> None:
     body = post(chat_client, CHAT, chat_body()).json()
     assert body["id"] == stand_in_worker[0].request_id and body["id"].startswith("chatcmpl-")
     assert body["object"] == "chat.completion" and body["model"] == MODEL
@@ -698,7 +698,7 @@ def test_finish_reasons(
     assert stream[-2]["choices"][0]["finish_reason"] == expected
 
 
-def test_completion_stream(client: TestClient, stand_in_worker: list[GenerationRequest]) -> None:
+def test_completion_stream(client: TestClient, stand_in_worker: list[QueuedRequest]) -> None:
     """One chunk per non-empty delta, a closing chunk with the finish reason, ``[DONE]``; no usage key."""
     response = post(client, COMPLETIONS, completion_body(stream=True))
     assert response.status_code == 200
@@ -718,7 +718,7 @@ def test_completion_stream(client: TestClient, stand_in_worker: list[GenerationR
     ]
 
 
-def test_chat_stream(chat_client: TestClient, stand_in_worker: list[GenerationRequest]) -> None:
+def test_chat_stream(chat_client: TestClient, stand_in_worker: list[QueuedRequest]) -> None:
     """The role first (content ""), content deltas, an empty delta with the finish reason, ``[DONE]``."""
     *chunks, done = sse_data(post(chat_client, CHAT, chat_body(stream=True)).text)
     assert done == "[DONE]"
@@ -735,7 +735,7 @@ def test_chat_stream(chat_client: TestClient, stand_in_worker: list[GenerationRe
 
 
 @pytest.mark.parametrize("route", [COMPLETIONS, CHAT])
-def test_stream_include_usage(chat_client: TestClient, stand_in_worker: list[GenerationRequest], route: str) -> None:
+def test_stream_include_usage(chat_client: TestClient, stand_in_worker: list[QueuedRequest], route: str) -> None:
     """OpenAI's form: every chunk has ``usage`` null, then one extra chunk with no choices and the usage."""
     body = completion_body() if route == COMPLETIONS else chat_body()
     body.update(stream=True, stream_options={"include_usage": True})
@@ -750,7 +750,7 @@ def test_stream_include_usage(chat_client: TestClient, stand_in_worker: list[Gen
 
 
 @pytest.mark.parametrize("route", [COMPLETIONS, CHAT])
-def test_stream_continuous_usage(chat_client: TestClient, stand_in_worker: list[GenerationRequest],
+def test_stream_continuous_usage(chat_client: TestClient, stand_in_worker: list[QueuedRequest],
                                  route: str) -> None:
     """vLLM's continuous_usage_stats (guidellm sends it): every chunk has the usage so far, growing by the
     chunk's tokens ("lo" also brings the held-back token), the last choice chunk's equal to the usage chunk's."""
@@ -768,7 +768,7 @@ def test_stream_continuous_usage(chat_client: TestClient, stand_in_worker: list[
                                                            "total_tokens": prompt_tokens + 3}
 
 
-def test_continuous_usage_needs_include_usage(client: TestClient, stand_in_worker: list[GenerationRequest]) -> None:
+def test_continuous_usage_needs_include_usage(client: TestClient, stand_in_worker: list[QueuedRequest]) -> None:
     """As in vLLM, continuous_usage_stats alone adds no usage."""
     body = completion_body(stream=True, stream_options={"continuous_usage_stats": True})
     *chunks, done = sse_data(post(client, COMPLETIONS, body).text)
@@ -776,7 +776,7 @@ def test_continuous_usage_needs_include_usage(client: TestClient, stand_in_worke
     assert all("usage" not in c and c["choices"] for c in chunks)
 
 
-def test_stream_without_include_usage(client: TestClient, stand_in_worker: list[GenerationRequest]) -> None:
+def test_stream_without_include_usage(client: TestClient, stand_in_worker: list[QueuedRequest]) -> None:
     body = completion_body(stream=True, stream_options={"include_usage": False})
     *chunks, done = sse_data(post(client, COMPLETIONS, body).text)
     assert all("usage" not in c and c["choices"] for c in chunks)

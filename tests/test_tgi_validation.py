@@ -2,7 +2,7 @@
 
 Rejections go through HTTP (FastAPI TestClient, fakeredis; validation fails before anything is queued, so no
 worker runs). Accepted edges and resolved values call :func:`api.tgi.to_generation_request` directly and look
-at the :class:`GenerationRequest` it builds. An autouse guard replaces the queueing functions so a request that
+at the :class:`QueuedRequest` it builds. An autouse guard replaces the queueing functions so a request that
 is wrongly accepted fails loudly instead of waiting forever for a worker.
 """
 
@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 
 from api.app import create_app
 from api.context import MAX_INPUT_TOKENS_HARD_CAP, ServerContext
-from api.pipeline import GenerationRequest
+from api.pipeline import QueuedRequest
 from api.tgi import to_generation_request
 from api.tgi_schemas import TGIRequest
 from common.protocol import Finish, Job, TokenEvent, TokenInfo
@@ -51,7 +51,7 @@ def serve(settings: Settings) -> Iterator[TestClient]:
         yield client
 
 
-async def resolve(ctx: ServerContext, body: dict[str, Any], stream: bool = False) -> GenerationRequest:
+async def resolve(ctx: ServerContext, body: dict[str, Any], stream: bool = False) -> QueuedRequest:
     return await to_generation_request(ctx, TGIRequest.model_validate(body), "rid", stream=stream)
 
 
@@ -65,7 +65,7 @@ def post_raw(client: TestClient, route: str, raw: bytes | str, **headers: str):
 
 
 
-def finish_for(request: GenerationRequest) -> Finish:
+def finish_for(request: QueuedRequest) -> Finish:
     return Finish(
         finish_reason="length",
         generated_tokens=1,
@@ -136,10 +136,10 @@ def model_variant(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactor
 
 
 @pytest.fixture(autouse=True)
-def nothing_is_queued(monkeypatch: pytest.MonkeyPatch) -> list[GenerationRequest]:
+def nothing_is_queued(monkeypatch: pytest.MonkeyPatch) -> list[QueuedRequest]:
     """Replace the queueing call: a request that reaches it records itself and fails the test, unless the
     test swaps in ``accept_requests``. Without a worker a queued request would otherwise hang."""
-    queued: list[GenerationRequest] = []
+    queued: list[QueuedRequest] = []
 
     async def refuse(ctx, request):
         queued.append(request)
@@ -150,9 +150,9 @@ def nothing_is_queued(monkeypatch: pytest.MonkeyPatch) -> list[GenerationRequest
 
 
 @pytest.fixture
-def accept_requests(monkeypatch: pytest.MonkeyPatch) -> list[GenerationRequest]:
+def accept_requests(monkeypatch: pytest.MonkeyPatch) -> list[QueuedRequest]:
     """A stand-in worker: accepted requests are recorded and answered with one token."""
-    accepted: list[GenerationRequest] = []
+    accepted: list[QueuedRequest] = []
     token = TokenInfo(id=5, text="x", logprob=-0.5, special=False)
 
     async def fake_submit(ctx, request):
@@ -713,7 +713,7 @@ def test_lone_surrogate_in_stop_is_a_validation_error(lenient_client, monkeypatc
 # ----------------------------------------------------------------------------- nulls and unknown fields
 
 
-def _resolved(request: GenerationRequest) -> dict[str, Any]:
+def _resolved(request: QueuedRequest) -> dict[str, Any]:
     return {"input_ids": request.input_ids, "decoder_input_details": request.decoder_input_details,
             **request.params.model_dump(exclude={"seed"})}
 

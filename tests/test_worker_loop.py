@@ -253,12 +253,11 @@ def test_the_bench_s_fake_token_source_keeps_the_engine_contract() -> None:
     """bench/fake_token_worker.py (the fan-out benchmark's worker) is an Engine: instantiable, refusing what it
     cannot do, and emitting max_new_tokens tokens then a finish."""
     from bench.fake_token_worker import FakeTokenEngine
-    from common.protocol import AdapterRef
 
     engine = FakeTokenEngine(Settings(model_path=Path("unused")), interval=0.0)
     job = Job(request_id="fake-1", model="m", reply_channel="c", input_ids=[1, 2],
               params=SamplingParams(seed=1, max_new_tokens=3), enqueued_at=time.time(), deadline=time.time() + 60)
-    assert engine.refusal(job.model_copy(update={"adapter": AdapterRef(name="a", path="/x")})) is not None
+    assert engine.refusal(job.model_copy(update={"adapter": "a", "adapter_path": "/x"})) is not None
     assert engine.refusal(job) is None
     engine.add(job)
     events = [out.event for _ in range(3) for out in engine.step()]

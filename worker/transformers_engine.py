@@ -208,8 +208,8 @@ class TransformersEngine(Engine):
             raise ValueError(f"request {job.request_id} is already queued or running")
         state = new_request_state(job, self._decode, self.max_total_tokens)
         state.extra_inputs = inputs
-        if job.adapter is not None:
-            self.adapters.acquire(job.adapter)
+        if (adapter := job.adapter_ref) is not None:
+            self.adapters.acquire(adapter)
         enqueue(self._waiting, state, lambda seq: seq.job.priority)
 
     def unload_adapter(self, name: str) -> None:
@@ -294,7 +294,7 @@ class TransformersEngine(Engine):
         goes with its last one."""
         for seq in sequences:
             if seq.job.adapter is not None:
-                self.adapters.release(seq.job.adapter.name)
+                self.adapters.release(seq.job.adapter)
 
     def _knows(self, request_id: str) -> bool:
         return any(seq.job.request_id == request_id for seq in (*self._running, *self._waiting))
@@ -395,7 +395,7 @@ class TransformersEngine(Engine):
                 self._pad_id,
                 [job.decoder_input_details for job in jobs],
                 self._forward,
-                [job.adapter.name if job.adapter else None for job in jobs],
+                [job.adapter for job in jobs],
                 concatenate([seq.extra_inputs for seq in sequences]),
             )
         except Exception:

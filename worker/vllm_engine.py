@@ -206,8 +206,8 @@ class VllmEngine(Engine):
         except Exception as exc:  # VLLMValidationError in vLLM 0.32, ValueError in older ones
             raise RequestRefused(f"vLLM cannot sample with these parameters: {exc}") from None
         state.started_at = time.time()
-        if job.adapter is not None:
-            self.adapters.acquire(job.adapter)
+        if (adapter := job.adapter_ref) is not None:
+            self.adapters.acquire(adapter)
         self._requests[job.request_id] = state
         if job.decoder_input_details:
             self._prompt_logprobs[job.request_id] = []
@@ -226,8 +226,8 @@ class VllmEngine(Engine):
             self._held.popleft()
             job = state.job
             [prompt] = self._engine.renderer.render_cmpl([TokensPrompt(prompt_token_ids=job.input_ids)])
-            lora = None if job.adapter is None else LoRARequest(job.adapter.name, self._lora_ids[job.adapter.name],
-                                                                job.adapter.path)
+            adapter = job.adapter_ref
+            lora = None if adapter is None else LoRARequest(adapter.name, self._lora_ids[adapter.name], adapter.path)
             try:
                 self._engine.add_request(job.request_id, prompt, self._sampling_params(state), lora_request=lora)
             except BaseException:
@@ -275,7 +275,7 @@ class VllmEngine(Engine):
         self._prompt_logprobs.pop(request_id, None)
         state = self._requests.pop(request_id, None)
         if state is not None and state.job.adapter is not None:
-            self.adapters.release(state.job.adapter.name)
+            self.adapters.release(state.job.adapter)
         return state is not None
 
     # -- LoRA adapters -------------------------------------------------------------------------------
