@@ -39,6 +39,7 @@ from pydantic_settings import (
 
 from common.chat_template import load_chat_template
 from common.config_file import ConfigError, JsonConfigSource, key_path, nest_config, setting_keys, spec
+from common.core_list import parse_core_list
 from common.protocol import ADAPTER_NAME_PATTERN
 
 EngineName = Literal["transformers", "vllm"]
@@ -46,20 +47,6 @@ DtypeName = Literal["auto", "float32", "float16", "bfloat16"]
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names of two dtypes (--dtype half)
 # The vllm.EngineArgs fields whose product is the devices one vLLM worker runs its model on (vLLM's world size).
 VLLM_PARALLEL_ARGS = ("tensor_parallel_size", "pipeline_parallel_size")
-
-
-def parse_core_list(text: str) -> list[int]:
-    """Core ids of a list such as ``0-3,6`` (the form of taskset and OMP places); ValueError when malformed."""
-    cores: set[int] = set()
-    for part in text.split(","):
-        first, sep, last = part.strip().partition("-")
-        if not first.isdigit() or (sep and not last.isdigit()):
-            raise ValueError(f"{text!r} is not a list of core ids such as 0-3,6")
-        low, high = int(first), int(last) if sep else int(first)
-        if high < low:
-            raise ValueError(f"{part.strip()!r} is an empty range")
-        cores.update(range(low, high + 1))
-    return sorted(cores)
 
 
 def ferry_home() -> Path:
