@@ -445,37 +445,63 @@ class Settings(BaseSettings):
         """MODEL_CONFIG (env) holds the list as JSON."""
         return json.loads(value) if isinstance(value, str) else value
 
+    # The checks across settings. Pydantic runs them in the order below, and the first that fails is the error
+    # reported: the defaults that follow from other settings come first, the model pick before its name's check.
+
     @model_validator(mode="after")
-    def _consistent(self) -> Settings:
-        """The defaults that follow from other settings, then the checks across settings, in this order."""
+    def _input_below_seq_len(self) -> Settings:
+        """maxInputTokenLen at most maxSeqLen less one: a prompt must leave room for a generated token."""
         if self.max_input_token_len >= self.max_seq_len:
             self.max_input_token_len = self.max_seq_len - 1
-        if self.max_prefill_batch_size == 0:
-            self.max_prefill_batch_size = self.max_batch_size
-        self._pick_model()
-        for key in VLLM_PARALLEL_ARGS:
-            size = self.vllm_engine_args.get(key, 1)
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ValueError(f"vllmEngineArgs.{key} must be a positive integer. Given: {size!r}")
-        if "{" in self.served_model_name or "}" in self.served_model_name:  # braces are Redis hash tags (common.keys)
-            raise ValueError(f"the model name `{self.served_model_name}` must not contain braces")
-        self._check_listeners()
-        self._check_redis_tls()
         return self
 
-    def _pick_model(self) -> None:
-        """With ModelConfig and no modelWeightPath: the model named by modelName (the first by default)."""
+    @model_validator(mode="after")
+    def _prefill_batch_default(self) -> Settings:
+        """maxPrefillBatchSize 0 is maxBatchSize (MindIE's rule)."""
+        if self.max_prefill_batch_size == 0:
+            self.max_prefill_batch_size = self.max_batch_size
+        return self
+
+    @model_validator(mode="after")
+    def _unique_model_names(self) -> Settings:
+        """ModelConfig's names are how requests and workers address a model: two alike would be one."""
         names = [entry.name for entry in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"ModelConfig: modelName values must be unique. Given: {names}")
+        return self
+
+    @model_validator(mode="after")
+    def _pick_model(self) -> Settings:
+        """With ModelConfig and no modelWeightPath: the model named by modelName (the first by default)."""
+        names = [entry.name for entry in self.models]
         if self.models and self.model_path is None:
             name = self.model_name or names[0]
             if name not in names:
                 raise ValueError(f"modelName `{name}` (MODEL_NAME / --model-name) is not in ModelConfig: {names}")
             self.model_name, self.model_path = name, self.models[names.index(name)].path
+        return self
 
-    def _check_listeners(self) -> None:
-        """HTTPS and its files, the management address and the all-zero addresses."""
+    @model_validator(mode="after")
+    def _vllm_parallel_sizes(self) -> Settings:
+        """vLLM's parallel sizes are the devices a worker takes (:attr:`devices_per_worker`): each a count."""
+        for key in VLLM_PARALLEL_ARGS:
+            size = self.vllm_engine_args.get(key, 1)
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"vllmEngineArgs.{key} must be a positive integer. Given: {size!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _no_braces_in_model_name(self) -> Settings:
+        """A model's Redis keys are hash-tagged by its name (common.keys): a brace in it would split the tag, and
+        the model's keys would no longer sit on one Redis Cluster shard."""
+        if "{" in self.served_model_name or "}" in self.served_model_name:
+            raise ValueError(f"the model name `{self.served_model_name}` must not contain braces")
+        return self
+
+    @model_validator(mode="after")
+    def _https_files(self) -> Settings:
+        """HTTPS needs its certificate and key, mutual TLS needs HTTPS, and each file must exist: found out at
+        start-up rather than at the first client's handshake."""
         if self.https_enabled:
             for key, path in (("tlsCert", self.tls_cert), ("tlsPk", self.tls_pk)):
                 if path is None:
@@ -485,16 +511,29 @@ class Settings(BaseSettings):
                     raise ValueError(f"{key}: no such file {path}")
         elif self.tls_ca_certs is not None:
             raise ValueError("tlsCaCerts (mutual TLS) needs httpsEnabled")
+        return self
+
+    @model_validator(mode="after")
+    def _management_plane_port(self) -> Settings:
+        """A management address with no port of its own would listen on nothing (:attr:`listeners`)."""
         if self.management_host is not None and self.management_port in (0, self.port) and self.metrics_port in (
                 0, self.port):
             raise ValueError("managementIpAddress needs a managementPort or metricsPort other than port")
+        return self
+
+    @model_validator(mode="after")
+    def _all_zero_addresses(self) -> Settings:
+        """allowAllZeroIpListening false: MindIE's guard against listening on every interface."""
         if not self.allow_all_zero_ip_listening:
             for key, host in (("ipAddress", self.host), ("managementIpAddress", self.management_host)):
                 if host in ("0.0.0.0", "::"):
                     raise ValueError(f"{key} {host} listens on every interface: allowAllZeroIpListening is false")
+        return self
 
-    def _check_redis_tls(self) -> None:
-        """Redis TLS files: a rediss:// URL, a certificate with its key, files that exist."""
+    @model_validator(mode="after")
+    def _redis_tls(self) -> Settings:
+        """Redis TLS files need a rediss:// URL, a certificate its key, and each file must exist: a client made
+        without them would fail at its first command, far from the setting at fault."""
         redis_tls = {"redisTlsCaCerts": self.redis_tls_ca_certs, "redisTlsCert": self.redis_tls_cert,
                      "redisTlsKey": self.redis_tls_key}
         given = {key: path for key, path in redis_tls.items() if path is not None}
@@ -505,6 +544,7 @@ class Settings(BaseSettings):
         for key, path in given.items():
             if not path.is_file():
                 raise ValueError(f"{key}: no such file {path}")
+        return self
 
     @property
     def listeners(self) -> dict[tuple[str, int], frozenset[str]]:
