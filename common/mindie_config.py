@@ -1,16 +1,17 @@
 """The keys of a stock MindIE Service ``conf/config.json`` (MindIE 1.0 and 2.x) that are no Ferry setting.
 
-Ferry's config file has MindIE's layout, and the MindIE keys with a Ferry meaning are Ferry settings of the
-same name (:mod:`common.settings`), so a MindIE file is read as it is, but for the keys listed here:
+Ferry's config file (:mod:`common.config_file`) has MindIE's layout, and the MindIE keys with a Ferry meaning
+are Ferry settings of the same name (:mod:`common.settings`), so a MindIE file is read as it is, but for the
+keys listed here:
 
 - :data:`IGNORED`: accepted and ignored, because whatever a working MindIE file says there changes nothing in
   Ferry (the file format's version, the names of MindIE's only backend and only scheduling workflow);
 - :data:`REFUSED`: what Ferry does not implement (NPU devices and memory, multi-node and prefill/decode
   disaggregated clusters, MindIE's scheduler policies, its per-plane TLS, encrypted key passwords and
-  revocation lists, log files): :func:`common.settings.flatten_config` names every one in the file at once,
+  revocation lists, log files): :func:`common.config_file.flatten_config` names every one in the file at once,
   so that the user removes them in one pass, instead of Ferry silently running something else than asked.
 
-Keys are grouped by section (the names of ``common.settings.SECTION_PATHS``; ``""``: the top level;
+Keys are grouped by section (the names of ``common.config_file.SECTION_PATHS``; ``""``: the top level;
 ``ModelConfig``: each item of ``ModelDeployConfig.ModelConfig``). README "Coming from MindIE" lists them.
 """
 

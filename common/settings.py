@@ -4,26 +4,11 @@ Names follow the spec's server configuration (maxIterTimes, maxSeqLen, ...). Eac
 in order of precedence: an environment variable (the SCREAMING_SNAKE form, e.g. ``MAX_ITER_TIMES``, or the
 spec's camelCase name), the JSON file named by ``FERRY_CONFIG``, then the default below.
 
-The file has MindIE's layout (``deploy/ferry.json`` is a complete example)::
-
-    {"ServerConfig": {"ipAddress": ..., "port": ..., "httpsEnabled": ..., "maxLinkNum": ...},
-     "LogConfig": {"logFormat": ..., "logLevel": ...},
-     "BackendConfig": {"redisUrl": ..., "device": ...,
-                       "ScheduleConfig": {"maxBatchSize": ..., "maxIterTimes": ..., "maxQueueSize": ...},
-                       "ModelDeployConfig": {"maxSeqLen": ..., "truncation": 0,
-                                             "ModelConfig": [{"modelName": ..., "modelWeightPath": ...}]}}}
-
-Each setting belongs to one section (the ``section`` of its field below); the file is flattened to the
-camelCase keys, so a flat object of those keys (the older form) is accepted too. An unknown key, in either
-form, is an error that names it: a typo must not silently fall back to a default. A stock MindIE
-``config.json`` is read as it is, but for the keys Ferry does not implement (:mod:`common.mindie_config`),
-which the error names all at once.
+The file has MindIE's layout, with a section for each setting (:mod:`common.config_file`, which reads it).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import json
 import logging
 import math
@@ -52,8 +37,9 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from common import mindie_config
 from common.chat_template import load_chat_template
+from common.config_file import ConfigError, JsonConfigSource, key_path, nest_config, setting_keys, spec
+from common.core_list import parse_core_list
 from common.protocol import ADAPTER_NAME_PATTERN
 
 EngineName = Literal["transformers", "vllm"]
@@ -61,40 +47,6 @@ DtypeName = Literal["auto", "float32", "float16", "bfloat16"]
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names of two dtypes (--dtype half)
 # The vllm.EngineArgs fields whose product is the devices one vLLM worker runs its model on (vLLM's world size).
 VLLM_PARALLEL_ARGS = ("tensor_parallel_size", "pipeline_parallel_size")
-Section = Literal["ServerConfig", "LogConfig", "BackendConfig", "ScheduleConfig", "ModelDeployConfig"]
-# Where each section sits in the nested file.
-SECTION_PATHS: dict[str, tuple[str, ...]] = {
-    "ServerConfig": ("ServerConfig",),
-    "LogConfig": ("LogConfig",),
-    "BackendConfig": ("BackendConfig",),
-    "ScheduleConfig": ("BackendConfig", "ScheduleConfig"),
-    "ModelDeployConfig": ("BackendConfig", "ModelDeployConfig"),
-}
-
-
-def parse_core_list(text: str) -> list[int]:
-    """Core ids of a list such as ``0-3,6`` (the form of taskset and OMP places); ValueError when malformed."""
-    cores: set[int] = set()
-    for part in text.split(","):
-        first, sep, last = part.strip().partition("-")
-        if not first.isdigit() or (sep and not last.isdigit()):
-            raise ValueError(f"{text!r} is not a list of core ids such as 0-3,6")
-        low, high = int(first), int(last) if sep else int(first)
-        if high < low:
-            raise ValueError(f"{part.strip()!r} is an empty range")
-        cores.update(range(low, high + 1))
-    return sorted(cores)
-
-
-class ConfigError(ValueError):
-    """The configuration cannot be used; the message names the key at fault."""
-
-
-def _spec(section: Section | None, key: str, env: str, *aliases: str) -> dict[str, Any]:
-    """Field options of one setting: its camelCase key (config file), its env var, its file section (None: the
-    flat form and env only, e.g. the model of a single-model deployment), and the env names vLLM or TGI users
-    set for the same thing (README "Coming from vLLM or TGI"), read as the env var is."""
-    return {"validation_alias": AliasChoices(key, env, *aliases), "json_schema_extra": {"section": section, "env": env}}
 
 
 def ferry_home() -> Path:
@@ -120,24 +72,6 @@ class ModelEntry(BaseModel):
     )
 
 
-def _setting_keys() -> dict[str, tuple[str | None, str, str]]:
-    """camelCase key -> (section, env var, field name), from the field options of :class:`Settings`."""
-    result = {}
-    for name, field in Settings.model_fields.items():
-        extra = field.json_schema_extra
-        assert isinstance(field.validation_alias, AliasChoices) and isinstance(extra, dict)
-        key, section = field.validation_alias.choices[0], extra["section"]
-        assert isinstance(key, str) and (section is None or isinstance(section, str))
-        result[key] = (section, str(extra["env"]), name)
-    return result
-
-
-def _key_path(key: str) -> str:
-    """Where a camelCase key sits in the config file, e.g. ``BackendConfig.ScheduleConfig.maxBatchSize``."""
-    section = _setting_keys().get(key, (None, "", ""))[0]
-    return ".".join([*SECTION_PATHS.get(section or "", ()), key])
-
-
 def setting_names(name: str) -> list[str]:
     """Every name the setting whose field is ``name`` is read by: its camelCase key, then its env vars."""
     alias = Settings.model_fields[name].validation_alias
@@ -150,150 +84,18 @@ def env_names(name: str) -> list[str]:
     return setting_names(name)[1:]
 
 
-def _unknown(path: str, key: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(key, known, n=1)
-    hint = f" (did you mean `{close[0]}`?)" if close else f"; known here: {', '.join(sorted(known))}"
-    return f"unknown key `{path}`{hint}"
-
-
-def _model_entries(value: Any, dotted: str, refused: list[str], model_wide: list[tuple[str, Any]]) -> Any:
-    """``ModelConfig`` without the MindIE keys of its items: those Ferry does not implement go to ``refused``,
-    those that are one Ferry setting for every model (``trustRemoteCode``) to ``model_wide``."""
-    if not isinstance(value, list):
-        return value  # the settings' validation names what is wrong
-    entries = []
-    for index, entry in enumerate(value):
-        if isinstance(entry, dict):
-            entry = dict(entry)
-            for key in [key for key in entry if key in mindie_config.REFUSED["ModelConfig"]]:
-                refused.append(mindie_config.refused_key(f"{dotted}[{index}].{key}", key))
-                del entry[key]
-            if "trustRemoteCode" in entry:
-                model_wide.append((f"{dotted}[{index}].trustRemoteCode", entry.pop("trustRemoteCode")))
-        entries.append(entry)
-    return entries
-
-
-@dataclasses.dataclass
-class _SectionWalk:
-    """The walk of :func:`flatten_config` over the sections of a config file: the settings found (``flat``),
-    the keys at fault (``errors``), the MindIE keys Ferry does not implement (``refused``) and the per-model
-    MindIE keys that are one Ferry setting (``model_wide``)."""
-
-    keys: dict[str, tuple[str | None, str, str]]
-    flat: dict[str, Any] = dataclasses.field(default_factory=dict)
-    errors: list[str] = dataclasses.field(default_factory=list)
-    refused: list[str] = dataclasses.field(default_factory=list)
-    model_wide: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
-
-    def walk(self, node: dict[str, Any], path: tuple[str, ...]) -> None:
-        sections = {p[len(path)]: p for p in SECTION_PATHS.values() if len(p) > len(path) and p[: len(path)] == path}
-        here = next((s for s, p in SECTION_PATHS.items() if p == path), None)
-        fields = [key for key, (section, _, _) in self.keys.items() if here is not None and section == here]
-        for key, value in node.items():
-            dotted = ".".join((*path, key))
-            if key in sections:
-                if isinstance(value, dict):
-                    self.walk(value, (*path, key))
-                else:
-                    self.errors.append(f"`{dotted}` must be a JSON object")
-            elif key == "ModelConfig" and key in fields:
-                self.flat[key] = _model_entries(value, dotted, self.refused, self.model_wide)
-            elif key in fields:
-                self.flat[key] = value
-            elif key in mindie_config.REFUSED.get(here or "", ()):
-                self.refused.append(mindie_config.refused_key(dotted, key))
-            elif key not in mindie_config.IGNORED.get(here or "", ()):
-                self.errors.append(_unknown(dotted, key, [*fields, *sections]))
-
-
-def flatten_config(data: Any) -> dict[str, Any]:
-    """The config file's settings as one flat object of camelCase keys. Raises :class:`ConfigError` naming
-    every key at fault at once: unknown or in the wrong section (with a did-you-mean hint), a section that is
-    not an object, and the keys of MindIE's config.json that Ferry does not implement (the user removes them
-    in one pass); MindIE keys that change nothing in Ferry are skipped (:mod:`common.mindie_config`)."""
-    if not isinstance(data, dict):
-        raise ConfigError("the config file must hold a JSON object")
-    keys = _setting_keys()
-    roots = {path[0] for path in SECTION_PATHS.values()}
-    if not roots & data.keys():  # the flat form
-        for key in data:
-            if key not in keys:
-                raise ConfigError(_unknown(key, key, list(keys)))
-        return dict(data)
-    found = _SectionWalk(keys)
-    found.walk(data, ())
-    flat, errors, refused, model_wide = found.flat, found.errors, found.refused, found.model_wide
-    if model_wide:  # MindIE sets trustRemoteCode per model; Ferry's is one setting (BackendConfig)
-        given = [value for _, value in model_wide] + ([flat["trustRemoteCode"]] if "trustRemoteCode" in flat else [])
-        if any(value != given[0] for value in given):
-            places = ", ".join(f"`{place}`" for place, _ in model_wide)
-            errors.append(f"{places}: Ferry's trustRemoteCode is one setting for every model "
-                          "(BackendConfig.trustRemoteCode); the values given differ")
-        flat["trustRemoteCode"] = given[0]
-    if refused:
-        errors.append("keys of MindIE's config.json that Ferry does not implement; remove them (README "
-                      f"\"Coming from MindIE\" says what Ferry has instead): {', '.join(refused)}")
-    if errors:
-        raise ConfigError("; ".join(errors))
-    return flat
-
-
-def effective_config(settings: Settings) -> dict[str, Any]:
-    """The settings in the config file's nested layout (the inverse of :func:`flatten_config`), without
-    secrets: no ``apiKeys``, the Redis password masked in ``redisUrl``. The served models are ``ModelConfig``
-    (the default one first), so the flat-only ``modelName`` / ``modelWeightPath`` are not repeated."""
-    values = settings.model_dump(mode="json")
-    result: dict[str, Any] = {"ServerConfig": {}, "LogConfig": {}, "BackendConfig": {}}
-    for key, (section, _, name) in _setting_keys().items():
-        if section is None or key == "apiKeys":
-            continue
-        if key == "redisUrl":
-            value: Any = settings.redis_location
-        elif key == "ModelConfig":
-            value = [entry.model_dump(mode="json", by_alias=True) for entry in settings.served_models]
-        else:
-            value = values[name]
-        node = result
-        for part in SECTION_PATHS[section]:
-            node = node.setdefault(part, {})
-        node[key] = value
-    return result
-
-
-class _JsonConfigSource(PydanticBaseSettingsSource):
-    """Reads the optional JSON config file named by FERRY_CONFIG (nested sections or flat keys)."""
-
-    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # pragma: no cover
-        raise NotImplementedError  # __call__ below does the work
-
-    def __call__(self) -> dict[str, Any]:
-        path = os.environ.get("FERRY_CONFIG")
-        if not path:
-            return {}
-        try:
-            data = json.loads(Path(path).read_text())
-        except OSError as exc:
-            raise ConfigError(f"FERRY_CONFIG: cannot read {path}: {exc.strerror}") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"FERRY_CONFIG: {path} is not valid JSON: {exc}") from None
-        try:
-            return flatten_config(data)
-        except ConfigError as exc:
-            raise ConfigError(f"{path}: {exc}") from None
-
-
 class _EnvSource(EnvSettingsSource):
     """The env vars, refusing a setting given by two of its env names (e.g. vLLM's MAX_MODEL_LEN and TGI's
     MAX_TOTAL_TOKENS) with different values: which one pydantic would read is not for the user to guess."""
 
     def __call__(self) -> dict[str, Any]:
         errors = []
+        keys = setting_keys(self.settings_cls)
         for field in self.settings_cls.model_fields:
             names = setting_names(field)
             given = {name: self.env_vars[name.lower()] for name in names if name.lower() in self.env_vars}
             if len(set(given.values())) > 1:  # the values are not named: one may be an API key
-                errors.append(f"env {' and '.join(given)} give `{_key_path(names[0])}` different values; "
+                errors.append(f"env {' and '.join(given)} give `{key_path(names[0], keys)}` different values; "
                               "set one of them")
         if errors:
             raise ConfigError("; ".join(errors))
@@ -309,103 +111,103 @@ class Settings(BaseSettings):
     # With ModelConfig, MODEL_NAME picks an entry (default: the first) and the path comes from it.
     model_path: Path | None = Field(
         None, description="the model's folder, or a Hugging Face model id (fetched into the hub cache)",
-        **_spec(None, "modelWeightPath", "MODEL_PATH", "MODEL_ID"),
+        **spec(None, "modelWeightPath", "MODEL_PATH", "MODEL_ID"),
     )
     model_name: str | None = Field(
         None, description="the model a worker serves, the default model of an API pod; names its job streams",
-        **_spec(None, "modelName", "MODEL_NAME", "SERVED_MODEL_NAME"),
+        **spec(None, "modelName", "MODEL_NAME", "SERVED_MODEL_NAME"),
     )
     models: list[ModelEntry] = Field(
         default_factory=list, description="every model of the deployment; API pods serve them all",
-        **_spec("ModelDeployConfig", "ModelConfig", "MODEL_CONFIG"),
+        **spec("ModelDeployConfig", "ModelConfig", "MODEL_CONFIG"),
     )
 
     lora_modules: dict[Annotated[str, Field(pattern=ADAPTER_NAME_PATTERN)], str] = Field(
         default_factory=dict, description="the default model's LoRA adapters (a JSON object name -> folder), "
         "beside its ModelConfig entry's loraModules",
-        **_spec("ModelDeployConfig", "loraModules", "LORA_MODULES"),
+        **spec("ModelDeployConfig", "loraModules", "LORA_MODULES"),
     )
     lora_adapter_roots: Annotated[list[Path], NoDecode] = Field(
         default_factory=list, description="folders POST /v1/load_lora_adapter may load adapters from (comma "
         "separated), beside the configured loraModules' own folders, which it always may; symlinks and `..` are "
-        "resolved first", **_spec("ModelDeployConfig", "loraAdapterRoots", "LORA_ADAPTER_ROOTS"),
+        "resolved first", **spec("ModelDeployConfig", "loraAdapterRoots", "LORA_ADAPTER_ROOTS"),
     )
 
     # Network and security
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0", description="redis:// or, over TLS, rediss://; a user and password go in it "
         "(rediss://USER:PASSWORD@host:port/0, an ACL user: README \"Redis\")",
-        **_spec("BackendConfig", "redisUrl", "REDIS_URL"),
+        **spec("BackendConfig", "redisUrl", "REDIS_URL"),
     )
     redis_cluster: bool = Field(
         False, description="redisUrl names a node of a Redis Cluster: keys and sharded pub/sub spread over its shards "
-        "(docs/scaling.md)", **_spec("BackendConfig", "redisCluster", "REDIS_CLUSTER"),
+        "(docs/scaling.md)", **spec("BackendConfig", "redisCluster", "REDIS_CLUSTER"),
     )
     redis_tls_ca_certs: Path | None = Field(
         None, description="PEM CA bundle a rediss:// server's certificate is checked against (default: the system's)",
-        **_spec("BackendConfig", "redisTlsCaCerts", "REDIS_TLS_CA_CERTS"),
+        **spec("BackendConfig", "redisTlsCaCerts", "REDIS_TLS_CA_CERTS"),
     )
     redis_tls_cert: Path | None = Field(
         None, description="PEM client certificate for a rediss:// server that asks for one (tls-auth-clients)",
-        **_spec("BackendConfig", "redisTlsCert", "REDIS_TLS_CERT"),
+        **spec("BackendConfig", "redisTlsCert", "REDIS_TLS_CERT"),
     )
     redis_tls_key: Path | None = Field(
-        None, description="PEM private key of redisTlsCert", **_spec("BackendConfig", "redisTlsKey", "REDIS_TLS_KEY"),
+        None, description="PEM private key of redisTlsCert", **spec("BackendConfig", "redisTlsKey", "REDIS_TLS_KEY"),
     )
-    host: str = Field("127.0.0.1", description="API listen address", **_spec("ServerConfig", "ipAddress", "HOST"))
-    port: int = Field(8080, ge=1, le=65535, description="API listen port", **_spec("ServerConfig", "port", "PORT"))
+    host: str = Field("127.0.0.1", description="API listen address", **spec("ServerConfig", "ipAddress", "HOST"))
+    port: int = Field(8080, ge=1, le=65535, description="API listen port", **spec("ServerConfig", "port", "PORT"))
     https_enabled: bool = Field(
         False, description="serve HTTPS; needs tlsCert and tlsPk",
-        **_spec("ServerConfig", "httpsEnabled", "HTTPS_ENABLED"),
+        **spec("ServerConfig", "httpsEnabled", "HTTPS_ENABLED"),
     )
     tls_cert: Path | None = Field(None, description="PEM certificate (chain)",
-                                  **_spec("ServerConfig", "tlsCert", "TLS_CERT"))
-    tls_pk: Path | None = Field(None, description="PEM private key", **_spec("ServerConfig", "tlsPk", "TLS_PK"))
+                                  **spec("ServerConfig", "tlsCert", "TLS_CERT"))
+    tls_pk: Path | None = Field(None, description="PEM private key", **spec("ServerConfig", "tlsPk", "TLS_PK"))
     tls_ca_certs: Path | None = Field(
         None, description="PEM CA bundle: when set, clients must present a certificate it signed (mutual TLS)",
-        **_spec("ServerConfig", "tlsCaCerts", "TLS_CA_CERTS"),
+        **spec("ServerConfig", "tlsCaCerts", "TLS_CA_CERTS"),
     )
     management_host: str | None = Field(
         None, min_length=1, description="address of the management plane (default: ipAddress)",
-        **_spec("ServerConfig", "managementIpAddress", "MANAGEMENT_HOST"),
+        **spec("ServerConfig", "managementIpAddress", "MANAGEMENT_HOST"),
     )
     management_port: int = Field(
         0, ge=0, le=65535, description="port of the management plane (health, status, metrics, stopService); "
         "0 or the business port: none, everything on the business port",
-        **_spec("ServerConfig", "managementPort", "MANAGEMENT_PORT"),
+        **spec("ServerConfig", "managementPort", "MANAGEMENT_PORT"),
     )
     metrics_port: int = Field(
         0, ge=0, le=65535, description="port serving /metrics and /metrics-json beside the business port "
         "(on managementIpAddress, else ipAddress); 0 or the business port: none",
-        **_spec("ServerConfig", "metricsPort", "METRICS_PORT"),
+        **spec("ServerConfig", "metricsPort", "METRICS_PORT"),
     )
     allow_all_zero_ip_listening: bool = Field(
         True, description="false: an all-zero ipAddress or managementIpAddress (0.0.0.0, ::) is refused (MindIE's "
         "guard against listening on every interface)",
-        **_spec("ServerConfig", "allowAllZeroIpListening", "ALLOW_ALL_ZERO_IP_LISTENING"),
+        **spec("ServerConfig", "allowAllZeroIpListening", "ALLOW_ALL_ZERO_IP_LISTENING"),
     )
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list, description="accepted `Authorization: Bearer` keys; empty: no auth",
-        **_spec("ServerConfig", "apiKeys", "API_KEYS", "API_KEY", "VLLM_API_KEY"),
+        **spec("ServerConfig", "apiKeys", "API_KEYS", "API_KEY", "VLLM_API_KEY"),
     )
     allow_open_stop_service: bool = Field(
         False, description="serve GET /stopService to anyone when neither apiKeys nor a managementPort guards it "
         "(false: refused with 403); a browser's cross-site request is refused whatever this says",
-        **_spec("ServerConfig", "allowOpenStopService", "ALLOW_OPEN_STOP_SERVICE"),
+        **spec("ServerConfig", "allowOpenStopService", "ALLOW_OPEN_STOP_SERVICE"),
     )
 
     # Multimodal inputs (SPEC.md "Multimodal input"; README "Multimodal inputs")
     multimodal_input_dir: Path = Field(
         Path("/data/multimodal_inputs/"), description="the only folder local media files are read from",
-        **_spec("ServerConfig", "multimodalInputDir", "MULTIMODAL_INPUT_DIR"),
+        **spec("ServerConfig", "multimodalInputDir", "MULTIMODAL_INPUT_DIR"),
     )
     allowed_media_domains: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="hosts http(s) media may be fetched from (comma separated); empty: none",
-        **_spec("ServerConfig", "allowedMediaDomains", "ALLOWED_MEDIA_DOMAINS_ENV"),
+        **spec("ServerConfig", "allowedMediaDomains", "ALLOWED_MEDIA_DOMAINS_ENV"),
     )
     media_timeout: float = Field(
         30.0, gt=0, description="seconds to connect to a media host, between two reads, and for a whole fetch",
-        **_spec("ServerConfig", "mediaTimeout", "MEDIA_TIMEOUT"),
+        **spec("ServerConfig", "mediaTimeout", "MEDIA_TIMEOUT"),
     )
     # 2**26: the full-size pictures of 48 and 64 MP phone cameras (8000 x 6000, 9248 x 6936) and 8192 x 8192 pass;
     # decoded as RGB one is 192 MiB at most. The ceiling is where Pillow refuses an image itself (twice its
@@ -413,161 +215,161 @@ class Settings(BaseSettings):
     max_image_pixels: int = Field(
         2**26, gt=0, le=178_956_970, description="pixels (width x height) an image item may have, read from its "
         "header: a larger one is refused by the API pod before it is queued, and by a worker before decoding",
-        **_spec("ServerConfig", "maxImagePixels", "MAX_IMAGE_PIXELS"),
+        **spec("ServerConfig", "maxImagePixels", "MAX_IMAGE_PIXELS"),
     )
 
     # Request limits (SPEC.md, section "Server configuration")
     max_iter_times: int = Field(
         512, gt=0, description="cap on generated tokens (max_new_tokens is min'ed with it)",
-        **_spec("ScheduleConfig", "maxIterTimes", "MAX_ITER_TIMES"),
+        **spec("ScheduleConfig", "maxIterTimes", "MAX_ITER_TIMES"),
     )
     max_seq_len: int = Field(
         2048, gt=1, description="cap on prompt + generated tokens per request (vLLM's max_model_len)",
-        **_spec("ModelDeployConfig", "maxSeqLen", "MAX_SEQ_LEN", "MAX_MODEL_LEN", "MAX_TOTAL_TOKENS")
+        **spec("ModelDeployConfig", "maxSeqLen", "MAX_SEQ_LEN", "MAX_MODEL_LEN", "MAX_TOTAL_TOKENS")
     )
     max_input_token_len: int = Field(
         2047, gt=0,
         description="cap on prompt tokens",
-        **_spec("ModelDeployConfig", "maxInputTokenLen", "MAX_INPUT_TOKEN_LEN", "MAX_INPUT_TOKENS", "MAX_INPUT_LENGTH"),
+        **spec("ModelDeployConfig", "maxInputTokenLen", "MAX_INPUT_TOKEN_LEN", "MAX_INPUT_TOKENS", "MAX_INPUT_LENGTH"),
     )
     truncation: int = Field(
         0, description="0: reject over-long input (the only mode built)",
-        **_spec("ModelDeployConfig", "truncation", "TRUNCATION"),
+        **spec("ModelDeployConfig", "truncation", "TRUNCATION"),
     )
     full_text_enabled: bool = Field(
         False, description="stream events carry the whole text so far instead of the delta",
-        **_spec("ServerConfig", "fullTextEnabled", "FULL_TEXT_ENABLED"),
+        **spec("ServerConfig", "fullTextEnabled", "FULL_TEXT_ENABLED"),
     )
     tgi_stream_format: Literal["list", "int"] = Field(
         "list", description="POST / stream token ids: list (the spec's) or int (TGI's)",
-        **_spec("ServerConfig", "tgiStreamFormat", "TGI_STREAM_FORMAT")
+        **spec("ServerConfig", "tgiStreamFormat", "TGI_STREAM_FORMAT")
     )
     kserve_output_includes_prompt: bool = Field(
         True, description="KServe infer output0 holds the prompt ids before the generated ones",
-        **_spec("ServerConfig", "kserveOutputIncludesPrompt", "KSERVE_OUTPUT_INCLUDES_PROMPT")
+        **spec("ServerConfig", "kserveOutputIncludesPrompt", "KSERVE_OUTPUT_INCLUDES_PROMPT")
     )
     chat_template: str | None = Field(
         None, description="the default model's chat template for /v1/chat/completions: a file or inline Jinja; "
         "held here as the template's text",
-        **_spec("ServerConfig", "chatTemplate", "CHAT_TEMPLATE"),
+        **spec("ServerConfig", "chatTemplate", "CHAT_TEMPLATE"),
     )
 
     # Reliability (docs/reliability.md)
     max_queue_size: int = Field(
         1024, gt=0, description="jobs queued or running per model (429 past it)",
-        **_spec("ScheduleConfig", "maxQueueSize", "MAX_QUEUE_SIZE"),
+        **spec("ScheduleConfig", "maxQueueSize", "MAX_QUEUE_SIZE"),
     )
     max_link_num: int = Field(
         1000, gt=0, description="concurrent requests per API pod (429 past it)",
-        **_spec("ServerConfig", "maxLinkNum", "MAX_LINK_NUM", "MAX_CONCURRENT_REQUESTS")
+        **spec("ServerConfig", "maxLinkNum", "MAX_LINK_NUM", "MAX_CONCURRENT_REQUESTS")
     )
     e2e_timeout: float = Field(
         600.0, gt=0, description="seconds a whole request may take",
-        **_spec("ServerConfig", "e2eTimeout", "E2E_TIMEOUT"),
+        **spec("ServerConfig", "e2eTimeout", "E2E_TIMEOUT"),
     )
     token_timeout: float = Field(
         600.0, gt=0, description="seconds between two tokens",
-        **_spec("ServerConfig", "tokenTimeout", "TOKEN_TIMEOUT"),
+        **spec("ServerConfig", "tokenTimeout", "TOKEN_TIMEOUT"),
     )
     max_request_length: int = Field(
-        40, gt=0, description="MB", **_spec("ServerConfig", "maxRequestLength", "MAX_REQUEST_LENGTH")
+        40, gt=0, description="MB", **spec("ServerConfig", "maxRequestLength", "MAX_REQUEST_LENGTH")
     )
     max_header_bytes: int = Field(
         32768, ge=1024, description="bytes a request's header fields may take together, each counted as "
         "`name: value` and its line end (nginx's default); past it: 431",
-        **_spec("ServerConfig", "maxHeaderBytes", "MAX_HEADER_BYTES"),
+        **spec("ServerConfig", "maxHeaderBytes", "MAX_HEADER_BYTES"),
     )
     timed_health_cache_seconds: float = Field(
         5.0, ge=0, description="seconds a GET /health/timed probe's result answers further calls (0: none); one "
         "probe generation runs at a time per pod, its result shared by the callers waiting",
-        **_spec("ServerConfig", "timedHealthCacheSeconds", "TIMED_HEALTH_CACHE_SECONDS"),
+        **spec("ServerConfig", "timedHealthCacheSeconds", "TIMED_HEALTH_CACHE_SECONDS"),
     )
     claim_idle_seconds: float = Field(
         30.0, gt=0, description="when live workers take over a dead worker's jobs",
-        **_spec("BackendConfig", "claimIdleSeconds", "CLAIM_IDLE_SECONDS")
+        **spec("BackendConfig", "claimIdleSeconds", "CLAIM_IDLE_SECONDS")
     )
     max_deliveries: int = Field(
         3, gt=0, description="how often a job is tried",
-        **_spec("BackendConfig", "maxDeliveries", "MAX_DELIVERIES"),
+        **spec("BackendConfig", "maxDeliveries", "MAX_DELIVERIES"),
     )
     shutdown_grace_seconds: float = Field(
         30.0, ge=0, description="open requests' time to finish when a pod stops",
-        **_spec("ServerConfig", "shutdownGraceSeconds", "SHUTDOWN_GRACE_SECONDS")
+        **spec("ServerConfig", "shutdownGraceSeconds", "SHUTDOWN_GRACE_SECONDS")
     )
 
     # Operations
     log_format: Literal["text", "json"] = Field(
         "text", description="text, or json (one object per line)",
-        **_spec("LogConfig", "logFormat", "LOG_FORMAT"),
+        **spec("LogConfig", "logFormat", "LOG_FORMAT"),
     )
     log_level: str = Field(
         "INFO", description="a logging level in any case; MindIE's Verbose is DEBUG",
-        **_spec("LogConfig", "logLevel", "LOG_LEVEL"),
+        **spec("LogConfig", "logLevel", "LOG_LEVEL"),
     )
     worker_metrics_port: int = Field(
-        0, ge=0, le=65535, description="0: off", **_spec("BackendConfig", "workerMetricsPort", "WORKER_METRICS_PORT")
+        0, ge=0, le=65535, description="0: off", **spec("BackendConfig", "workerMetricsPort", "WORKER_METRICS_PORT")
     )
     worker_metrics_host: str = Field(
         "127.0.0.1", min_length=1, description="the address the worker's metrics listen on (0.0.0.0: every interface)",
-        **_spec("BackendConfig", "workerMetricsHost", "WORKER_METRICS_HOST"),
+        **spec("BackendConfig", "workerMetricsHost", "WORKER_METRICS_HOST"),
     )
 
     # Worker engine (README "Engines")
     engine: EngineName = Field(
         "transformers", description="the workers' engine",
-        **_spec("BackendConfig", "engine", "ENGINE"),
+        **spec("BackendConfig", "engine", "ENGINE"),
     )
     trust_remote_code: bool = Field(
         False, description="run the model folder's own Python code (Hugging Face trust_remote_code)",
-        **_spec("BackendConfig", "trustRemoteCode", "TRUST_REMOTE_CODE"),
+        **spec("BackendConfig", "trustRemoteCode", "TRUST_REMOTE_CODE"),
     )
     vllm_engine_args: dict[str, Any] = Field(
         default_factory=dict, description="further vllm.EngineArgs fields for the vllm engine (a JSON object)",
-        **_spec("BackendConfig", "vllmEngineArgs", "VLLM_ENGINE_ARGS"),
+        **spec("BackendConfig", "vllmEngineArgs", "VLLM_ENGINE_ARGS"),
     )
     device: str = Field(
         "cpu", description="worker device: cpu, cuda[:n], npu[:n]",
-        **_spec("BackendConfig", "device", "DEVICE"),
+        **spec("BackendConfig", "device", "DEVICE"),
     )
     dtype: DtypeName = Field(
         "float32", description="the model's dtype (vLLM's half and float too)",
-        **_spec("BackendConfig", "dtype", "DTYPE")
+        **spec("BackendConfig", "dtype", "DTYPE")
     )
     max_batch_size: int = Field(
         32, gt=0, description="running requests per worker (vLLM's max_num_seqs)",
-        **_spec("ScheduleConfig", "maxBatchSize", "MAX_BATCH_SIZE"),
+        **spec("ScheduleConfig", "maxBatchSize", "MAX_BATCH_SIZE"),
     )
     max_prefill_tokens: int = Field(
         8192, gt=0, description="prompt tokens per prefill pass",
-        **_spec("ScheduleConfig", "maxPrefillTokens", "MAX_PREFILL_TOKENS", "MAX_BATCH_PREFILL_TOKENS")
+        **spec("ScheduleConfig", "maxPrefillTokens", "MAX_PREFILL_TOKENS", "MAX_BATCH_PREFILL_TOKENS")
     )
     max_prefill_batch_size: int = Field(
         8, ge=0, description="0: maxBatchSize (MindIE's rule)",
-        **_spec("ScheduleConfig", "maxPrefillBatchSize", "MAX_PREFILL_BATCH_SIZE"),
+        **spec("ScheduleConfig", "maxPrefillBatchSize", "MAX_PREFILL_BATCH_SIZE"),
     )
     max_batch_total_tokens: int = Field(
         65536, gt=0, description="KV budget per worker, in tokens (both engines)",
-        **_spec("ScheduleConfig", "maxBatchTotalTokens", "MAX_BATCH_TOTAL_TOKENS")
+        **spec("ScheduleConfig", "maxBatchTotalTokens", "MAX_BATCH_TOTAL_TOKENS")
     )
     cpu_threads_bind: str = Field(
         "auto", description="a CPU worker's torch threads (built-in engine): auto (its share of the usable cores but "
         "one, left to the API pod and Redis, claimed against the host's other workers: cpuWorkersPerHost; nothing "
         "when OMP_NUM_THREADS is set), nobind (torch's default) or cores such as 0-3,6",
-        **_spec("BackendConfig", "cpuThreadsBind", "CPU_THREADS_BIND"),
+        **spec("BackendConfig", "cpuThreadsBind", "CPU_THREADS_BIND"),
     )
     cpu_workers_per_host: int | None = Field(
         None, ge=1, description="the CPU workers of this host that cpuThreadsBind auto shares its cores among: each "
         "claims 1/N of them (default: the workers ferry-server starts, else 1)",
-        **_spec("BackendConfig", "cpuWorkersPerHost", "CPU_WORKERS_PER_HOST"),
+        **spec("BackendConfig", "cpuWorkersPerHost", "CPU_WORKERS_PER_HOST"),
     )
     compile_model: bool = Field(
         True, description="compile the built-in engine's decode steps and prompt passes of Llama, Mistral and Qwen2 "
         "models on CPU with torch.compile (Inductor, which needs a C++ compiler; without one they stay eager) when "
-        "the worker starts: faster passes, a longer start", **_spec("BackendConfig", "compileModel", "COMPILE_MODEL"),
+        "the worker starts: faster passes, a longer start", **spec("BackendConfig", "compileModel", "COMPILE_MODEL"),
     )
     worker_pool: str = Field(
         "cpu", pattern=r"^[A-Za-z0-9_-]+$", description="pool label in the worker's consumer name",
-        **_spec("BackendConfig", "workerPool", "WORKER_POOL")
+        **spec("BackendConfig", "workerPool", "WORKER_POOL")
     )
 
     @field_validator("device")
@@ -643,37 +445,63 @@ class Settings(BaseSettings):
         """MODEL_CONFIG (env) holds the list as JSON."""
         return json.loads(value) if isinstance(value, str) else value
 
+    # The checks across settings. Pydantic runs them in the order below, and the first that fails is the error
+    # reported: the defaults that follow from other settings come first, the model pick before its name's check.
+
     @model_validator(mode="after")
-    def _consistent(self) -> Settings:
-        """The defaults that follow from other settings, then the checks across settings, in this order."""
+    def _input_below_seq_len(self) -> Settings:
+        """maxInputTokenLen at most maxSeqLen less one: a prompt must leave room for a generated token."""
         if self.max_input_token_len >= self.max_seq_len:
             self.max_input_token_len = self.max_seq_len - 1
-        if self.max_prefill_batch_size == 0:
-            self.max_prefill_batch_size = self.max_batch_size
-        self._pick_model()
-        for key in VLLM_PARALLEL_ARGS:
-            size = self.vllm_engine_args.get(key, 1)
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ValueError(f"vllmEngineArgs.{key} must be a positive integer. Given: {size!r}")
-        if "{" in self.served_model_name or "}" in self.served_model_name:  # braces are Redis hash tags (common.keys)
-            raise ValueError(f"the model name `{self.served_model_name}` must not contain braces")
-        self._check_listeners()
-        self._check_redis_tls()
         return self
 
-    def _pick_model(self) -> None:
-        """With ModelConfig and no modelWeightPath: the model named by modelName (the first by default)."""
+    @model_validator(mode="after")
+    def _prefill_batch_default(self) -> Settings:
+        """maxPrefillBatchSize 0 is maxBatchSize (MindIE's rule)."""
+        if self.max_prefill_batch_size == 0:
+            self.max_prefill_batch_size = self.max_batch_size
+        return self
+
+    @model_validator(mode="after")
+    def _unique_model_names(self) -> Settings:
+        """ModelConfig's names are how requests and workers address a model: two alike would be one."""
         names = [entry.name for entry in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"ModelConfig: modelName values must be unique. Given: {names}")
+        return self
+
+    @model_validator(mode="after")
+    def _pick_model(self) -> Settings:
+        """With ModelConfig and no modelWeightPath: the model named by modelName (the first by default)."""
+        names = [entry.name for entry in self.models]
         if self.models and self.model_path is None:
             name = self.model_name or names[0]
             if name not in names:
                 raise ValueError(f"modelName `{name}` (MODEL_NAME / --model-name) is not in ModelConfig: {names}")
             self.model_name, self.model_path = name, self.models[names.index(name)].path
+        return self
 
-    def _check_listeners(self) -> None:
-        """HTTPS and its files, the management address and the all-zero addresses."""
+    @model_validator(mode="after")
+    def _vllm_parallel_sizes(self) -> Settings:
+        """vLLM's parallel sizes are the devices a worker takes (:attr:`devices_per_worker`): each a count."""
+        for key in VLLM_PARALLEL_ARGS:
+            size = self.vllm_engine_args.get(key, 1)
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"vllmEngineArgs.{key} must be a positive integer. Given: {size!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _no_braces_in_model_name(self) -> Settings:
+        """A model's Redis keys are hash-tagged by its name (common.keys): a brace in it would split the tag, and
+        the model's keys would no longer sit on one Redis Cluster shard."""
+        if "{" in self.served_model_name or "}" in self.served_model_name:
+            raise ValueError(f"the model name `{self.served_model_name}` must not contain braces")
+        return self
+
+    @model_validator(mode="after")
+    def _https_files(self) -> Settings:
+        """HTTPS needs its certificate and key, mutual TLS needs HTTPS, and each file must exist: found out at
+        start-up rather than at the first client's handshake."""
         if self.https_enabled:
             for key, path in (("tlsCert", self.tls_cert), ("tlsPk", self.tls_pk)):
                 if path is None:
@@ -683,16 +511,29 @@ class Settings(BaseSettings):
                     raise ValueError(f"{key}: no such file {path}")
         elif self.tls_ca_certs is not None:
             raise ValueError("tlsCaCerts (mutual TLS) needs httpsEnabled")
+        return self
+
+    @model_validator(mode="after")
+    def _management_plane_port(self) -> Settings:
+        """A management address with no port of its own would listen on nothing (:attr:`listeners`)."""
         if self.management_host is not None and self.management_port in (0, self.port) and self.metrics_port in (
                 0, self.port):
             raise ValueError("managementIpAddress needs a managementPort or metricsPort other than port")
+        return self
+
+    @model_validator(mode="after")
+    def _all_zero_addresses(self) -> Settings:
+        """allowAllZeroIpListening false: MindIE's guard against listening on every interface."""
         if not self.allow_all_zero_ip_listening:
             for key, host in (("ipAddress", self.host), ("managementIpAddress", self.management_host)):
                 if host in ("0.0.0.0", "::"):
                     raise ValueError(f"{key} {host} listens on every interface: allowAllZeroIpListening is false")
+        return self
 
-    def _check_redis_tls(self) -> None:
-        """Redis TLS files: a rediss:// URL, a certificate with its key, files that exist."""
+    @model_validator(mode="after")
+    def _redis_tls(self) -> Settings:
+        """Redis TLS files need a rediss:// URL, a certificate its key, and each file must exist: a client made
+        without them would fail at its first command, far from the setting at fault."""
         redis_tls = {"redisTlsCaCerts": self.redis_tls_ca_certs, "redisTlsCert": self.redis_tls_cert,
                      "redisTlsKey": self.redis_tls_key}
         given = {key: path for key, path in redis_tls.items() if path is not None}
@@ -703,6 +544,7 @@ class Settings(BaseSettings):
         for key, path in given.items():
             if not path.is_file():
                 raise ValueError(f"{key}: no such file {path}")
+        return self
 
     @property
     def listeners(self) -> dict[tuple[str, int], frozenset[str]]:
@@ -769,7 +611,18 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, _EnvSource(settings_cls), _JsonConfigSource(settings_cls))
+        return (init_settings, _EnvSource(settings_cls), JsonConfigSource(settings_cls))
+
+
+def effective_config(settings: Settings) -> dict[str, Any]:
+    """The settings in the config file's nested layout (:func:`common.config_file.nest_config`), without
+    secrets: no ``apiKeys``, the Redis password masked in ``redisUrl``. The served models are ``ModelConfig``
+    (the default one first), so the flat-only ``modelName`` / ``modelWeightPath`` are not repeated."""
+    values = settings.model_dump(mode="json")
+    flat = {key: values[name] for key, (_, _, name) in setting_keys(Settings).items() if key != "apiKeys"}
+    flat.update(redisUrl=settings.redis_location,
+                ModelConfig=[entry.model_dump(mode="json", by_alias=True) for entry in settings.served_models])
+    return nest_config(flat, Settings)
 
 
 def _describe(error: Any) -> str:
@@ -778,12 +631,12 @@ def _describe(error: Any) -> str:
     message = error["msg"].removeprefix("Value error, ")
     if not loc:
         return message
-    keys = _setting_keys()
+    keys = setting_keys(Settings)
     key = loc[0]
     if key not in keys:  # given by field name (a command-line option)
         key = next((k for k, (_, _, name) in keys.items() if name == key), key)
     _, _, name = keys.get(key, (None, "", ""))
-    dotted = _key_path(key) + "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in loc[1:])
+    dotted = key_path(key, keys) + "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in loc[1:])
     given = f" (given {error['input']!r})" if "input" in error and not isinstance(error["input"], (dict, list)) else ""
     if key == "apiKeys":
         given = ""  # never echo secrets

@@ -19,8 +19,9 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from api.pipeline import QueuedRequest
 from common import keys
+from common.config_file import flatten_config
 from common.protocol import Finish, TokenEvent, TokenInfo
-from common.settings import ConfigError, ModelEntry, Settings, env_names, flatten_config, load_settings
+from common.settings import ConfigError, ModelEntry, Settings, env_names, load_settings
 from tests.fakes import FakeSubmission, patch_submit
 
 REPO = Path(__file__).resolve().parents[1]
@@ -190,7 +191,7 @@ def test_unreadable_or_invalid_file(monkeypatch: pytest.MonkeyPatch, tmp_path: P
 
 def test_flatten_rejects_a_non_object() -> None:
     with pytest.raises(ConfigError, match="must hold a JSON object"):
-        flatten_config([1])
+        flatten_config([1], Settings)
 
 
 @pytest.mark.integration  # starts the API process

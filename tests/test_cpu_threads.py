@@ -17,7 +17,8 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from common.settings import Settings, parse_core_list
+from common.core_list import parse_core_list
+from common.settings import Settings
 from tests.helpers import start_stack, stop_stack, wait_for
 from worker.cpu_threads import CoreClaim, auto_cores, claim_cores, launched_worker_cores
 

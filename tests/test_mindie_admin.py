@@ -17,7 +17,8 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from common import keys
-from common.settings import ConfigError, Settings, flatten_config, load_settings
+from common.config_file import flatten_config
+from common.settings import ConfigError, Settings, load_settings
 from tests.helpers import free_port, start_stack, stop_stack
 from tests.sse import sse_data
 
@@ -68,7 +69,7 @@ def test_config_answers_the_effective_settings_in_mindies_layout_without_secrets
     assert deploy["ModelConfig"] == [{"modelName": "m", "modelWeightPath": str(tiny_model_path), "loraModules": {}}]
     assert config["BackendConfig"]["redisUrl"] == "redis://ferry:***@127.0.0.1:6379/0"
     assert "sekret-key" not in response.text and "hunter2" not in response.text and "apiKeys" not in response.text
-    flatten_config(config)  # every key is a key of the config file, in its section
+    flatten_config(config, Settings)  # every key is a key of the config file, in its section
 
 
 def test_v2_model_config_answers_triton_and_mindie_clients(

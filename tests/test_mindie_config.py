@@ -17,7 +17,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from common.settings import ConfigError, Settings, flatten_config, load_settings
+from common.config_file import flatten_config
+from common.settings import ConfigError, Settings, load_settings
 
 DATA = Path(__file__).resolve().parent / "data"
 SECTIONS = {"ServerConfig", "LogConfig", "BackendConfig", "ModelDeployConfig", "ScheduleConfig"}
@@ -169,7 +170,7 @@ def test_an_api_pod_starts_from_the_cleaned_stock_file(
     assert effective["ServerConfig"]["port"] == 1025 and effective["ServerConfig"]["allowAllZeroIpListening"] is False
     assert effective["BackendConfig"]["ScheduleConfig"]["maxBatchSize"] == 200
     assert effective["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["modelName"] == model
-    flatten_config(effective)  # /v1/config answers a file Ferry reads back
+    flatten_config(effective, Settings)  # /v1/config answers a file Ferry reads back
 
 
 # ------------------------------------------------------------------------------------------ mappings

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from common.core_list import parse_core_list
 from common.run_files import run_subdir, try_lock
-from common.settings import Settings, parse_core_list
+from common.settings import Settings
 
 log = logging.getLogger(__name__)
 
