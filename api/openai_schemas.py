@@ -6,8 +6,8 @@ tokenizer, the model or the server limits live in :mod:`api.openai`. ``null`` me
 is silently dropped: a body field is honoured (OpenAI's, and vLLM's sampling extras ``top_k``,
 ``repetition_penalty``, ``ignore_eos`` and ``stop_token_ids``), rejected with a message naming it (OpenAI
 parameters asking for what is not built, and any field not declared here, such as vLLM's ``min_p``), or
-accepted and ignored because it cannot change the output (``user``, ``metadata``, ``parallel_tool_calls``;
-README lists them).
+accepted and ignored because it cannot change the output (``metadata``, ``parallel_tool_calls``; README lists
+them). ``user`` names the request's end user in the pod's log line for the request.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ class SamplingRequest(BaseModel):
     presence_penalty: PresencePenalty = None
     frequency_penalty: FrequencyPenalty = None
     logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0}, description="only {}")
-    user: str | None = None  # accepted and ignored: it only identifies the end user to OpenAI
+    user: str | None = Field(None, max_length=256, description="the end user, named in the request's log line")
     metadata: dict[str, str] | None = None  # accepted and ignored: tags for OpenAI's dashboards
     stream: bool | None = None
     stream_options: StreamOptions | None = None

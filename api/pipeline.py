@@ -186,7 +186,7 @@ class Submission:
 
     def _record(self) -> None:
         """The request's outcome, in the metrics and one log line (the one place every protocol's requests end)."""
-        model, finish, extra = self.job.model, self.finish, {"request_id": self.request_id}
+        model, finish, extra = self.job.model, self.finish, {"request_id": self.request_id, "user": self.job.user}
         if finish is None:
             failure = self.failure or "cancelled"
             self.ctx.metrics.request_failed(model, failure, self.elapsed)

@@ -3,7 +3,9 @@ of the request a line is about.
 
 The API binds the request id to the handling task with :func:`bind_request_id` (a context variable, so
 concurrent requests never mix); the worker, which interleaves many requests in one loop, passes it per call
-as ``extra={"request_id": job.request_id}``. Either way the record gets a ``request_id`` attribute.
+as ``extra={"request_id": job.request_id}``. Either way the record gets a ``request_id`` attribute. The line
+that ends a request also names the end ``user`` the client gave (OpenAI's ``user``), so that an operator can
+follow one user's traffic.
 """
 
 from __future__ import annotations
@@ -30,12 +32,14 @@ class RequestIdFilter(logging.Filter):
         request_id = getattr(record, "request_id", None)
         if request_id is None:
             request_id = record.request_id = _REQUEST_ID.get()
-        record.request_tag = f" [{request_id}]" if request_id else ""
+        user = getattr(record, "user", None)
+        record.request_tag = f" [{request_id}{f' user={user}' if user else ''}]" if request_id else ""
         return True
 
 
 class JsonFormatter(logging.Formatter):
-    """time (ISO 8601, UTC), level, logger, message, request_id when known, exception when there is one."""
+    """time (ISO 8601, UTC), level, logger, message, request_id and user when known, exception when there is
+    one."""
 
     def format(self, record: logging.LogRecord) -> str:
         created = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
@@ -45,8 +49,9 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
-        if request_id := getattr(record, "request_id", None):
-            line["request_id"] = request_id
+        for key in ("request_id", "user"):
+            if value := getattr(record, key, None):
+                line[key] = value
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
         return json.dumps(line, ensure_ascii=False, default=str)

@@ -132,6 +132,8 @@ class RequestOptions(BaseModel):
     decoder_input_details: bool = Field(False, description="return log-probs of the prompt tokens")
     adapter: str | None = Field(None, description="the LoRA adapter's name; None: the base model")
     priority: Priority = Field(DEFAULT_PRIORITY, description="1 (taken first) to 5 (the default); its job stream's")
+    user: str | None = Field(None, description="the end user the client names (OpenAI's `user`), logged with the "
+                                               "request so that an operator can follow one user's traffic")
 
     def options(self) -> dict[str, Any]:
         """These fields as keyword arguments, for the next stage's type."""

@@ -41,6 +41,7 @@ def test_json_lines_with_request_ids(root_logging: None, capsys: pytest.CaptureF
 
     asyncio.run(both())
     log.warning("from the worker", extra={"request_id": "job-7"})
+    log.info("request finished", extra={"request_id": "req-c", "user": "ann"})
     log.debug("below the level")
     try:
         raise ValueError("boom")
@@ -48,8 +49,10 @@ def test_json_lines_with_request_ids(root_logging: None, capsys: pytest.CaptureF
         log.exception("failed")
     records = [json.loads(line) for line in lines(capsys.readouterr().err)]
     assert [(r["message"], r.get("request_id")) for r in records] == [
-        ("handled req-a", "req-a"), ("handled req-b", "req-b"), ("from the worker", "job-7"), ("failed", None),
+        ("handled req-a", "req-a"), ("handled req-b", "req-b"), ("from the worker", "job-7"),
+        ("request finished", "req-c"), ("failed", None),
     ]
+    assert records[3]["user"] == "ann" and all("user" not in r for r in records[:3])
     assert records[0]["level"] == "INFO" and records[0]["logger"] == "ferry.test"
     assert records[0]["time"].endswith("Z") and "T" in records[0]["time"]
     assert "ValueError: boom" in records[-1]["exception"]
@@ -59,5 +62,7 @@ def test_text_lines(root_logging: None, capsys: pytest.CaptureFixture[str]) -> N
     configure_logging("text", "INFO")
     logging.getLogger("ferry.test").info("hello", extra={"request_id": "r1"})
     logging.getLogger("ferry.test").info("no request")
-    first, second = lines(capsys.readouterr().err)
+    logging.getLogger("ferry.test").info("done", extra={"request_id": "r2", "user": "ann"})
+    first, second, third = lines(capsys.readouterr().err)
     assert first.endswith("INFO ferry.test [r1]: hello") and second.endswith("INFO ferry.test: no request")
+    assert third.endswith("INFO ferry.test [r2 user=ann]: done")

@@ -674,6 +674,18 @@ def test_completion_response(client: TestClient, stand_in_worker: list[QueuedReq
     assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 3, "total_tokens": prompt_tokens + 3}
 
 
+def test_the_end_user_reaches_the_job(
+    client: TestClient, chat_client: TestClient, stand_in_worker: list[QueuedRequest]
+) -> None:
+    """OpenAI's ``user`` goes to the job (its log line names it), on both routes; unset, none."""
+    assert post(client, COMPLETIONS, completion_body(user="ann")).status_code == 200
+    assert post(chat_client, CHAT, chat_body(user="bob")).status_code == 200
+    assert post(client, COMPLETIONS, completion_body()).status_code == 200
+    assert [request.user for request in stand_in_worker] == ["ann", "bob", None]
+    response = post(client, COMPLETIONS, completion_body(user="x" * 257))
+    assert response.status_code == 400 and response.json()["error"]["param"] == "user"
+
+
 def test_chat_response(chat_client: TestClient, stand_in_worker: list[QueuedRequest]) -> None:
     body = post(chat_client, CHAT, chat_body()).json()
     assert body["id"] == stand_in_worker[0].request_id and body["id"].startswith("chatcmpl-")

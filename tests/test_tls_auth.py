@@ -201,12 +201,20 @@ def test_logs_are_json_lines_with_request_ids_and_no_keys(https_api: Served, cer
     headers = {"authorization": f"Bearer {KEY}", "x-request-id": "tls-log-1"}
     assert httpx.post(f"{https_api.base_url}/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}},
                       headers=headers, verify=tls_context(certs)).status_code == 200
+    completion = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "user": "ann"}  # OpenAI's end user
+    response = httpx.post(f"{https_api.base_url}/v1/completions", json=completion, verify=tls_context(certs),
+                          headers=headers)
+    assert response.status_code == 200
     time.sleep(0.3)
     text = https_api.log.read_text()
     lines = [json.loads(line) for line in text.splitlines() if line.strip()]
     assert all({"time", "level", "logger", "message"} <= line.keys() for line in lines)
     finished = [line for line in lines if line.get("request_id") == "tls-log-1"]
     assert any(line["message"].startswith("request finished (length)") for line in finished)
+    assert all("user" not in line for line in finished)
+    [named] = [line for line in lines if "user" in line]
+    assert named["user"] == "ann" and named["request_id"] == response.json()["id"]
+    assert named["message"].startswith("request finished (length)")
     assert KEY not in text
 
 
