@@ -125,6 +125,19 @@ class AdapterRef(BaseModel):
     path: str = Field(min_length=1)
 
 
+ConstraintFormat = Literal["json_schema", "regex", "choice", "grammar"]
+
+
+class Constraint(BaseModel):
+    """What a request's output must match (structured outputs): the engines mask, at every step, each token
+    that would leave it, so the output always fits (or is cut short by max_new_tokens). The formats are
+    llguidance's (:mod:`common.constraints`), which vLLM's structured outputs take too."""
+
+    format: ConstraintFormat
+    value: str = Field(description="json_schema: the schema as JSON text; regex: the pattern (Rust regex syntax); "
+                                   "choice: the strings as a JSON list; grammar: a Lark or GBNF grammar")
+
+
 class RequestOptions(BaseModel):
     """The request's fields that go from the client to the engines as sent: adapters map their wire fields onto
     these, and :class:`GenerationRequest` carries them to the worker with no code between."""
@@ -134,6 +147,7 @@ class RequestOptions(BaseModel):
     priority: Priority = Field(DEFAULT_PRIORITY, description="1 (taken first) to 5 (the default); its job stream's")
     user: str | None = Field(None, description="the end user the client names (OpenAI's `user`), logged with the "
                                                "request so that an operator can follow one user's traffic")
+    constraint: Constraint | None = Field(None, description="what the output must match; None: free text")
 
     def options(self) -> dict[str, Any]:
         """These fields as keyword arguments, for the next stage's type."""
