@@ -19,10 +19,10 @@ from pydantic import BaseModel, Field
 from starlette.requests import Request
 
 from api.context import ServerContext
-from api.health import live_workers
 from api.media import MediaData
 from api.relay import RelayUnavailable
 from common import keys
+from common.cluster import live_workers
 from common.connection import REDIS_ERRORS, as_text, publish, publish_command
 from common.logs import bind_request_id
 from common.protocol import (
