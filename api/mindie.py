@@ -1,7 +1,7 @@
 """MindIE's native inference routes: ``POST /generate`` in vLLM 0.2.6's dialect, ``POST /infer`` and
 ``/infer_token``, ``POST /v1/tokenizer``.
 
-A thin translation like :mod:`api.tgi`: each body becomes an :class:`api.inference.InferenceRequest`; errors
+A thin translation like :mod:`api.tgi`: each body becomes an :class:`api.request.InferenceRequest`; errors
 are TGI's (``{"error", "error_type"}``, 422 for a bad input), as MindIE answers them.
 
 ``POST /generate`` is shared with TGI. Its one route here reads the body once and picks the dialect by its
@@ -61,9 +61,8 @@ from starlette.background import BackgroundTask
 
 from api import pipeline, tgi
 from api.context import ProbeResult, ServerContext, get_ctx
-from api.errors import OpenApiResponses, ProtocolError, error_route_class
+from api.errors import OpenApiResponses, PipelineError, ProtocolError, error_route_class
 from api.health import model_states
-from api.inference import InferenceRequest, generate, new_request_id, resolve, submit, tokenize
 from api.mindie_schemas import (
     NUL,
     GenerateBody,
@@ -85,7 +84,9 @@ from api.mindie_schemas import (
     VLLMGenerateRequest,
     VLLMGenerateResponse,
 )
-from api.pipeline import PipelineError, QueuedRequest, Submission, unready_reason
+from api.pipeline import Submission, generate_for, submit_for, unready_reason
+from api.request import InferenceRequest, QueuedRequest, new_request_id
+from api.resolve import resolve, tokenize
 from api.rules import GREEDY_TEMPERATURE
 from api.sse import event_stream
 from api.tgi import TGI, render_tgi_error
@@ -185,9 +186,9 @@ def vllm_inference_request(body: VLLMGenerateRequest, request_id: str) -> Infere
 async def _vllm_generate(ctx: ServerContext, body: VLLMGenerateRequest, http: Request) -> Response:
     request = await resolve(ctx, TGI, vllm_inference_request(body, http.state.request_uuid))
     if not body.stream:
-        result = await generate(ctx, TGI, request, http)
+        result = await generate_for(ctx, TGI, request, http)
         return JSONResponse(VLLMGenerateResponse(text=[body.prompt + result.finish.generated_text]).model_dump())
-    submission = await submit(ctx, TGI, request)
+    submission = await submit_for(ctx, TGI, request)
     return StreamingResponse(_nul_stream(submission), media_type=NUL_STREAM,
                              background=BackgroundTask(submission.close))  # in case the body never ran
 
@@ -242,7 +243,7 @@ async def infer(body: MindIEInferRequest, ctx: Ctx, http: Request) -> Response:
         return await _infer_stream(ctx, body, request, deadline)
     try:
         async with asyncio.timeout_at(deadline):
-            result = await generate(ctx, TGI, request, http)
+            result = await generate_for(ctx, TGI, request, http)
     except TimeoutError:
         assert timeout is not None
         raise TGI.failure(_timed_out(timeout)) from None
@@ -264,7 +265,7 @@ async def _infer_stream(
 ) -> Response:
     """Queue first (a refusal answers with a status), then one SSE event per token."""
     queued_at = time.monotonic()
-    submission = await submit(ctx, TGI, request)
+    submission = await submit_for(ctx, TGI, request)
 
     async def render(events: AsyncIterator[TokenEvent]) -> AsyncIterator[str]:
         last, first, iterator = queued_at, True, aiter(events)

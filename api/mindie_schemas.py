@@ -2,7 +2,7 @@
 0.2.6's dialect, ``POST /infer`` and ``/infer_token``, ``POST /v1/tokenizer``.
 
 Field rules live on the models, each message naming its field; rules that need the tokenizer or the server
-limits live in :mod:`api.inference`. ``null`` means unset for every optional field. The ``/infer`` parameters
+limits live in :mod:`api.resolve`. ``null`` means unset for every optional field. The ``/infer`` parameters
 are TGI's (:class:`api.tgi_schemas.TGIParameters`, same ranges and wording) plus MindIE's ``priority`` and
 ``timeout``.
 """

@@ -1,7 +1,7 @@
 """TGI 0.9.4 compatible routes: ``POST /``, ``/generate``, ``/generate_stream``, ``/info``, ``/health``.
 
-A thin translation: the TGI body as an :class:`api.inference.InferenceRequest`, its tokens shaped as TGI
-does; :mod:`api.inference` does the rest.
+A thin translation: the TGI body as an :class:`api.request.InferenceRequest`, its tokens shaped as TGI
+does; :mod:`api.resolve` and :mod:`api.pipeline` do the rest.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from sse_starlette import EventSourceResponse
 
 from api import __version__
 from api.context import ServerContext, get_ctx
-from api.errors import OpenApiResponses, ProtocolError, error_route_class
+from api.errors import OpenApiResponses, PipelineError, Protocol, ProtocolError, error_route_class
 from api.health import HealthResponse, health_response, model_states
-from api.inference import InferenceRequest, Protocol, generate, resolve, submit
-from api.pipeline import GenerationResult, PipelineError, QueuedRequest, unready_reason
+from api.pipeline import GenerationResult, generate_for, submit_for, unready_reason
+from api.request import InferenceRequest, QueuedRequest
+from api.resolve import resolve
 from api.rules import MAX_STOP_ITEMS, REQUEST_ID_PATTERN, REQUEST_ID_REGEX
 from api.sse import event_stream
 from api.tgi_schemas import (
@@ -82,7 +83,7 @@ def client_request_id(header: str | None) -> str | None:
 async def to_generation_request(
     ctx: ServerContext, body: TGIRequest, request_id: str | None, stream: bool
 ) -> QueuedRequest:
-    """The TGI body as a pipeline request (:func:`api.inference.resolve`)."""
+    """The TGI body as a pipeline request (:func:`api.resolve.resolve`)."""
     params = body.parameters
     if stream and params.decoder_input_details:
         raise TGI.invalid("`decoder_input_details` == true is not supported when streaming tokens",
@@ -121,7 +122,7 @@ async def _respond(
 ) -> Response:
     """The whole generation with TGI's headers: one response, or (``POST /``) a list of one."""
     request = await to_generation_request(ctx, body, request_id, stream=False)
-    result = await generate(ctx, TGI, request, http)
+    result = await generate_for(ctx, TGI, request, http)
     payload = _dump(_generate_response(body, result))
     return JSONResponse([payload] if listed else payload, headers=_headers(request.request_id, result))
 
@@ -182,7 +183,7 @@ async def _stream(
 ) -> EventSourceResponse:
     """Validate and queue first (errors answer with a status), then stream TGI events."""
     request = await to_generation_request(ctx, body, request_id, stream=True)
-    submission = await submit(ctx, TGI, request)
+    submission = await submit_for(ctx, TGI, request)
 
     async def render(events: AsyncIterator[TokenEvent]) -> AsyncIterator[str]:
         text_so_far = ""

@@ -1,7 +1,7 @@
 """Request and response shapes of the TGI 0.9.4 compatible routes, with SPEC.md section 1's rules.
 
 Field rules live on the models (one rule per field, messages worded like TGI's ``validation.rs``);
-rules that need the tokenizer or server limits live in :mod:`api.inference`.
+rules that need the tokenizer or server limits live in :mod:`api.resolve`.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class TGIParameters(BaseModel):
     _adapter_id = field_validator("adapter_id")(staticmethod(validate_adapter_id))
 
     def request_fields(self) -> dict[str, Any]:
-        """These parameters under the names of the protocol-neutral request (:class:`api.inference.InferenceRequest`),
+        """These parameters under the names of the protocol-neutral request (:class:`api.request.InferenceRequest`),
         each mapped explicitly; ``details``, ``return_full_text`` and the validated-only fields shape the answer."""
         return {
             "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "typical_p": self.typical_p,

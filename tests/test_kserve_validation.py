@@ -26,6 +26,7 @@ from tritonclient.http import InferResult
 
 from api.app import create_app
 from api.context import ServerContext
+from api.errors import PipelineError
 from api.kserve import (
     infer_response,
     parse_infer_body,
@@ -33,7 +34,8 @@ from api.kserve import (
     to_generation_request,
 )
 from api.kserve_schemas import KServeGenerateRequest, KServeInferRequest, SamplingParameters
-from api.pipeline import GenerationResult, PipelineError, QueuedRequest
+from api.pipeline import GenerationResult
+from api.request import QueuedRequest
 from common import keys
 from common.protocol import Finish, TokenEvent, TokenInfo
 from common.settings import Settings

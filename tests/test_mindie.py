@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 
 from api.app import create_app
 from api.context import ServerContext
-from api.pipeline import QueuedRequest
+from api.request import QueuedRequest
 from common import keys
 from common.protocol import decode_event
 from common.settings import Settings

@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.context import ServerContext
-from api.pipeline import QueuedRequest
+from api.request import QueuedRequest
 from common import keys
 from common.protocol import Finish, WorkerStatus
 from common.settings import ModelEntry, Settings

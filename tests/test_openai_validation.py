@@ -25,10 +25,10 @@ from transformers import AutoTokenizer
 import api.main
 from api.app import create_app
 from api.context import ModelInfo, ServerContext
-from api.errors import ProtocolError
+from api.errors import PipelineError, ProtocolError
 from api.openai import to_chat_request, to_completion_request
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
-from api.pipeline import PipelineError, QueuedRequest
+from api.request import QueuedRequest
 from common.protocol import Finish, FinishReason, TokenEvent, TokenInfo
 from common.settings import ConfigError, Settings, load_settings
 from tests import helpers

@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 
 from api.app import create_app
 from api.context import MAX_INPUT_TOKENS_HARD_CAP, ServerContext
-from api.pipeline import QueuedRequest
+from api.request import QueuedRequest
 from api.tgi import to_generation_request
 from api.tgi_schemas import TGIRequest
 from common.protocol import Finish, Job, TokenEvent, TokenInfo
