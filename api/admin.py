@@ -2,8 +2,8 @@
 
 - ``GET /v1/config``: the pod's effective configuration in the config file's layout (ServerConfig, LogConfig,
   BackendConfig with ScheduleConfig and ModelDeployConfig; :func:`common.settings.effective_config`), without
-  secrets (no API keys; the Redis password masked). MindIE's ``GET /v2/models/{m}/config`` is api/kserve.py's:
-  Triton's model configuration and MindIE's fields in one object, for both kinds of client.
+  secrets (no API keys; the Redis password masked). MindIE's ``GET /v2/models/{m}/config`` is KServe's
+  (api/kserve/routes.py): Triton's model configuration and MindIE's fields in one object, for both kinds of client.
 - ``GET /stopService[?mode=Force]``: drains the pod. From then on the pipeline refuses every new request
   (``stopping``: 503 in each protocol's error format); once the requests in flight have finished (with
   ``Force``: after :data:`FORCE_SECONDS` at most) the pod stops the way SIGTERM stops it, by ending uvicorn's
@@ -30,9 +30,10 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api import mindie, tgi
 from api.context import ServerContext, get_ctx
 from api.errors import ProtocolError, authorized, unauthorized
+from api.mindie import routes as mindie
+from api.tgi import routes as tgi
 from common.settings import Settings, effective_config
 
 log = logging.getLogger(__name__)

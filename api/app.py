@@ -19,11 +19,15 @@ from fastapi.openapi.utils import get_openapi
 from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException
 
-from api import __version__, adapters, admin, kserve, mindie, openai, ops, tgi
+from api import __version__, adapters, admin, ops
 from api.context import ModelInfo, ServerContext
 from api.errors import HeaderLimit, ProtocolError
+from api.kserve import routes as kserve
+from api.mindie import routes as mindie
+from api.openai import routes as openai
 from api.ranges import integral_bounds
 from api.relay import EventRelay
+from api.tgi import routes as tgi
 from common.connection import REDIS_ERRORS, AsyncRedis, async_client
 from common.settings import Settings
 
@@ -121,7 +125,7 @@ def create_app(settings: Settings, redis: AsyncRedis | None = None) -> FastAPI:
         lifespan=lifespan,
         exception_handlers={HTTPException: http_error},
     )
-    app.include_router(mindie.router)  # its POST /generate takes TGI's body (api.tgi's handler) and vLLM's
+    app.include_router(mindie.router)  # its POST /generate takes TGI's body (api.tgi.routes' handler) and vLLM's
     app.include_router(tgi.router)
     app.include_router(kserve.router)
     app.include_router(kserve.control_router)

@@ -1,4 +1,4 @@
-"""MindIE's native routes (api/mindie.py): ``POST /generate`` in vLLM 0.2.6's dialect beside TGI's, ``/infer``,
+"""MindIE's native routes (api/mindie/routes.py): ``POST /generate`` in vLLM 0.2.6's dialect beside TGI's, ``/infer``,
 ``/infer_token``, ``/v1/tokenizer`` and the ``RequestUUID`` header.
 
 Shapes, validation and headers run in-process over fakeredis with a stand-in worker (tests/fakes.py); generation

@@ -2,7 +2,7 @@
 Triton's generate extension (``/generate``, ``/generate_stream``), model configuration (with MindIE's fields),
 repository index and statistics extensions (``/config``, ``/v2/repository/index``, ``/stats``).
 
-A thin translation onto :mod:`api.resolve` and :mod:`api.pipeline`, like :mod:`api.tgi`. Every error is KServe's
+A thin translation onto :mod:`api.resolve` and :mod:`api.pipeline`, like :mod:`api.tgi.routes`. Every error is KServe's
 ``{"error": "..."}``: 400 for a bad request, 404 for an unknown model, 503 when not ready, 500 when
 generation fails. The infer route reads its body itself because Triton clients send tensors with the
 binary tensor data extension by default: a JSON header of ``Inference-Header-Content-Length`` bytes,
@@ -32,7 +32,7 @@ from sse_starlette import EventSourceResponse
 from api import __version__
 from api.context import ServerContext, get_ctx
 from api.errors import REST_STATUSES, OpenApiResponses, Protocol, ProtocolError, error_route_class, validation_error
-from api.kserve_schemas import (
+from api.kserve.schemas import (
     DATATYPE,
     INPUT_NAME,
     OUTPUT_NAME,

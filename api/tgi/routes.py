@@ -23,7 +23,7 @@ from api.request import InferenceRequest, QueuedRequest
 from api.resolve import resolve
 from api.rules import MAX_STOP_ITEMS, REQUEST_ID_PATTERN, REQUEST_ID_REGEX
 from api.sse import event_stream
-from api.tgi_schemas import (
+from api.tgi.schemas import (
     InfoModel,
     TextItem,
     TGIDetails,
@@ -214,7 +214,7 @@ async def compat_generate(
     return await _respond(ctx, body, request_id, http, listed=True)
 
 
-# POST /generate: api.mindie's route answers it (it also takes vLLM's dialect) and hands TGI's bodies here.
+# POST /generate: MindIE's route (api.mindie.routes) answers it (it also takes vLLM's dialect), TGI's bodies here.
 async def generate_route(
     body: TGIRequest, ctx: Ctx, http: Request, x_request_id: RequestIdHeader = None
 ) -> Response:

@@ -1,6 +1,6 @@
 """OpenAI-compatible routes under ``/v1``: completions, chat completions (both also as SSE streams) and models.
 
-A thin translation onto :mod:`api.resolve` and :mod:`api.pipeline`, like :mod:`api.tgi`. Every error is OpenAI's
+A thin translation onto :mod:`api.resolve` and :mod:`api.pipeline`, like :mod:`api.tgi.routes`. Every error is OpenAI's
 ``{"error": {"message", "type", "param", "code"}}``: 400 ``invalid_request_error`` for a bad request
 (OpenAI answers validation errors with 400, not 422), 404 ``model_not_found`` for a ``model`` the pod does
 not serve, 5xx ``server_error`` when generation fails. A failure after a stream started is a last
@@ -31,7 +31,7 @@ from pydantic import BaseModel
 from api import adapters
 from api.context import ModelInfo, ServerContext, get_ctx
 from api.errors import REST_STATUSES, OpenApiResponses, PipelineError, Protocol, ProtocolError, error_route_class
-from api.openai_schemas import (
+from api.openai.schemas import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,

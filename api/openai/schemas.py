@@ -2,7 +2,7 @@
 ``/v1/models``).
 
 Field rules live on the models, one validator per rule, each message naming its field; rules that need the
-tokenizer, the model or the server limits live in :mod:`api.openai`. ``null`` means unset everywhere. Nothing
+tokenizer, the model or the server limits live in :mod:`api.openai.routes`. ``null`` means unset everywhere. Nothing
 is silently dropped: a body field is honoured (OpenAI's, and vLLM's sampling extras ``top_k``,
 ``repetition_penalty``, ``ignore_eos`` and ``stop_token_ids``), rejected with a message naming it (OpenAI
 parameters asking for what is not built, and any field not declared here, such as vLLM's ``min_p``), or

@@ -1,12 +1,12 @@
 """MindIE's native inference routes: ``POST /generate`` in vLLM 0.2.6's dialect, ``POST /infer`` and
 ``/infer_token``, ``POST /v1/tokenizer``.
 
-A thin translation like :mod:`api.tgi`: each body becomes an :class:`api.request.InferenceRequest`; errors
+A thin translation like :mod:`api.tgi.routes`: each body becomes an :class:`api.request.InferenceRequest`; errors
 are TGI's (``{"error", "error_type"}``, 422 for a bad input), as MindIE answers them.
 
 ``POST /generate`` is shared with TGI. Its one route here reads the body once and picks the dialect by its
-prompt field (:data:`api.mindie_schemas.GenerateBody`): ``inputs`` is TGI's body, handed to
-:func:`api.tgi.generate_route` (TGI's module keeps its handler and rules); ``prompt`` is vLLM's; both or
+prompt field (:data:`api.mindie.schemas.GenerateBody`): ``inputs`` is TGI's body, handed to
+:func:`api.tgi.routes.generate_route` (TGI's module keeps its handler and rules); ``prompt`` is vLLM's; both or
 neither is a 422. TGI's router declares no ``/generate`` route of its own.
 
 vLLM dialect: ``{"text": [prompt + completion]}`` as vLLM 0.2.6's api_server answers. Its stream (``stream``:
@@ -30,14 +30,14 @@ MindIE's status, health and metrics routes (GET), each read from the live worker
 - ``/v2/models/{m}/getSlotCount``: ``{"total_slots", "free_slots", "available_tokens_length"}`` summed over
   the model's live workers (maxBatchSize, minus the requests running; KV tokens free). Unknown model: 404
   ``{"error": "Model X not found.", "error_type": "NotFoundError"}``.
-- ``/v1/status`` and ``/v2/status`` (the same answer): :class:`api.mindie_schemas.StatusResponse`.
+- ``/v1/status`` and ``/v2/status`` (the same answer): :class:`api.mindie.schemas.StatusResponse`.
 - ``/health/timed`` and ``/health/timed-{N}`` (N seconds, 1 to 3600, default 10; anything else is a 422):
   one real one-token generation through the pipeline within N seconds: 200 ``{"status": "healthy"}``, else
   500 ``{"status": "unhealthy", "error"}`` (at once when no worker of the default model is alive). The probe
   is a request like any other: it counts in the metrics. Open without an API key (kubelets send none), so
   bounded: one probe at a time per pod, whose result every caller waiting shares and which answers the calls
   of the next ``timedHealthCacheSeconds`` (:class:`api.context.TimedHealthProbe`).
-- ``/metrics-json``: :class:`api.mindie_schemas.MetricsJsonResponse`, the means read from the pod's
+- ``/metrics-json``: :class:`api.mindie.schemas.MetricsJsonResponse`, the means read from the pod's
   histograms (``collect()``), the counts from the workers' reports.
 
 Every response of these routes, errors included, carries a ``RequestUUID`` header (:func:`_uuid_route_class`):
@@ -59,11 +59,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.background import BackgroundTask
 
-from api import pipeline, tgi
+from api import pipeline
 from api.context import ProbeResult, ServerContext, get_ctx
 from api.errors import OpenApiResponses, PipelineError, ProtocolError, error_route_class
 from api.health import model_states
-from api.mindie_schemas import (
+from api.mindie.schemas import (
     NUL,
     GenerateBody,
     MetricsJsonResponse,
@@ -89,8 +89,9 @@ from api.request import InferenceRequest, QueuedRequest, new_request_id
 from api.resolve import resolve, tokenize
 from api.rules import GREEDY_TEMPERATURE
 from api.sse import event_stream
-from api.tgi import TGI, render_tgi_error
-from api.tgi_schemas import TGIGenerateResponse
+from api.tgi import routes as tgi
+from api.tgi.routes import TGI, render_tgi_error
+from api.tgi.schemas import TGIGenerateResponse
 from common.cluster import ModelState
 from common.protocol import DEFAULT_PRIORITY, TokenEvent
 

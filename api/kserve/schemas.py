@@ -2,7 +2,7 @@
 
 Field rules live on the models (one validator per rule, each message naming its field); rules that need
 the model (vocabulary size) or the server limits live in :mod:`api.resolve`; the request's binary
-tensor data is read in :mod:`api.kserve`.
+tensor data is read in :mod:`api.kserve.routes`.
 
 Sampling parameters are accepted in three places, all optional: ``inputs[0].parameters`` (where the seed
 puts them), the request's ``parameters`` object (KServe's place for request parameters, where
