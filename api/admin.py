@@ -33,7 +33,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from api.context import ServerContext, get_ctx
 from api.errors import ProtocolError, authorized, unauthorized
 from api.mindie import routes as mindie
-from api.tgi import routes as tgi
+from api.tgi_format import ERROR_RESPONSES, render_tgi_error
 from common.settings import Settings, effective_config
 
 log = logging.getLogger(__name__)
@@ -65,17 +65,17 @@ async def config(ctx: Ctx) -> dict[str, Any]:
 
 
 @router.get(STOP_SERVICE, response_model=StopServiceResponse,
-            responses={401: tgi.ERROR_RESPONSES[422] | {"description": "API key missing or wrong"},
-                       403: tgi.ERROR_RESPONSES[422] | {"description": "not served to this caller (README)"},
-                       422: tgi.ERROR_RESPONSES[422]},
+            responses={401: ERROR_RESPONSES[422] | {"description": "API key missing or wrong"},
+                       403: ERROR_RESPONSES[422] | {"description": "not served to this caller (README)"},
+                       422: ERROR_RESPONSES[422]},
             summary="Drain this pod, then stop it (mode=Force: stop after 5 s even with requests in flight)")
 async def stop_service(
     ctx: Ctx, http: Request, mode: Annotated[Literal["Force"] | None, Query()] = None
 ) -> StopServiceResponse | Response:
     if not authorized(http):
-        return unauthorized(tgi.render_tgi_error)
+        return unauthorized(render_tgi_error)
     if (refusal := _stop_refusal(ctx.settings, http)) is not None:
-        return tgi.render_tgi_error(ProtocolError(403, refusal, "forbidden"))
+        return render_tgi_error(ProtocolError(403, refusal, "forbidden"))
     loop = asyncio.get_running_loop()
     drain = ctx.drain
     if mode == "Force":

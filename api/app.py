@@ -28,6 +28,7 @@ from api.openai import routes as openai
 from api.ranges import integral_bounds
 from api.relay import EventRelay
 from api.tgi import routes as tgi
+from api.tgi_format import render_tgi_error
 from common.connection import REDIS_ERRORS, AsyncRedis, async_client
 from common.settings import Settings
 
@@ -47,7 +48,7 @@ PATH_ERRORS: tuple[tuple[str, Callable[[ProtocolError], Response]], ...] = (
 def render_for_path(path: str) -> Callable[[ProtocolError], Response]:
     """The error renderer of the protocol ``path`` belongs to."""
     return next((render for prefix, render in PATH_ERRORS if path == prefix or path.startswith(prefix + "/")),
-                tgi.render_tgi_error)
+                render_tgi_error)
 
 
 async def http_error(request: Request, exc: HTTPException) -> Response:

@@ -62,7 +62,7 @@ class PipelineError(Exception):
 
 
 # The statuses KServe v2 and OpenAI both give each pipeline failure: 400 a bad request, 500 a failed generation,
-# 503 retry later, 499 (nginx's) a client that left. TGI's differ (api/tgi/routes.py).
+# 503 retry later, 499 (nginx's) a client that left. TGI's differ (api/tgi_format.py).
 REST_STATUSES: Mapping[str, int] = MappingProxyType({
     "validation": 400,
     "generation": 500,

@@ -24,7 +24,7 @@ from api.app import create_app
 from api.context import MAX_INPUT_TOKENS_HARD_CAP, ServerContext
 from api.request import QueuedRequest
 from api.tgi.routes import to_generation_request
-from api.tgi.schemas import TGIRequest
+from api.tgi_format import TGIRequest
 from common.protocol import Finish, Job, TokenEvent, TokenInfo
 from common.settings import Settings
 from tests.fakes import FakeSubmission, patch_submit

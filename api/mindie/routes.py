@@ -2,7 +2,7 @@
 ``/infer_token``, ``POST /v1/tokenizer``.
 
 A thin translation like :mod:`api.tgi.routes`: each body becomes an :class:`api.request.InferenceRequest`; errors
-are TGI's (``{"error", "error_type"}``, 422 for a bad input), as MindIE answers them.
+are TGI's (``{"error", "error_type"}``, 422 for a bad input: :mod:`api.tgi_format`), as MindIE answers them.
 
 ``POST /generate`` is shared with TGI. Its one route here reads the body once and picks the dialect by its
 prompt field (:data:`api.mindie.schemas.GenerateBody`): ``inputs`` is TGI's body, handed to
@@ -90,8 +90,16 @@ from api.resolve import resolve, tokenize
 from api.rules import GREEDY_TEMPERATURE
 from api.sse import event_stream
 from api.tgi import routes as tgi
-from api.tgi.routes import TGI, render_tgi_error
-from api.tgi.schemas import TGIGenerateResponse
+from api.tgi_format import (
+    ERROR_RESPONSES,
+    SSE_CONTENT,
+    TGI,
+    RequestIdHeader,
+    TGIErrorResponse,
+    TGIGenerateResponse,
+    client_request_id,
+    render_tgi_error,
+)
 from common.cluster import ModelState
 from common.protocol import DEFAULT_PRIORITY, TokenEvent
 
@@ -141,7 +149,7 @@ def _timed_out(timeout: int) -> PipelineError:
 
 @router.post(
     "/generate",
-    responses={**tgi.ERROR_RESPONSES, 200: {
+    responses={**ERROR_RESPONSES, 200: {
         "model": TGIGenerateResponse | VLLMGenerateResponse,
         "content": {NUL_STREAM: {}},
         "description": "TGI's answer to an `inputs` body; vLLM 0.2.6's `{\"text\": [prompt + completion]}` to a "
@@ -150,10 +158,10 @@ def _timed_out(timeout: int) -> PipelineError:
     summary="Generate text: TGI's body (`inputs`) or vLLM 0.2.6's (`prompt`)",
 )
 async def generate_route(
-    body: GenerateBody, ctx: Ctx, http: Request, x_request_id: tgi.RequestIdHeader = None
+    body: GenerateBody, ctx: Ctx, http: Request, x_request_id: RequestIdHeader = None
 ) -> Response:
     """One route, two dialects (see the module's docstring); ``x-request-id`` names the request in both."""
-    request_id = tgi.client_request_id(x_request_id)  # TGI's rule for the header, shared by both dialects
+    request_id = client_request_id(x_request_id)  # TGI's rule for the header, shared by both dialects
     if request_id is not None:
         http.state.request_uuid = request_id
     if isinstance(body, VLLMGenerateRequest):
@@ -228,8 +236,8 @@ def _full_text(body: MindIEInferRequest, generated: str) -> str:
 
 
 INFER_RESPONSES: OpenApiResponses = {
-    **tgi.ERROR_RESPONSES,
-    200: {"model": MindIEInferResponse, **tgi.SSE_CONTENT,
+    **ERROR_RESPONSES,
+    200: {"model": MindIEInferResponse, **SSE_CONTENT,
           "description": "the generation, or with stream=true an SSE stream of MindIEStreamResponse events"},
 }
 
@@ -300,7 +308,7 @@ async def _infer_stream(
 # ------------------------------------------------------------------------------- POST /v1/tokenizer
 
 
-@router.post("/v1/tokenizer", response_model=TokenizeResponse, responses={422: tgi.ERROR_RESPONSES[422]},
+@router.post("/v1/tokenizer", response_model=TokenizeResponse, responses={422: ERROR_RESPONSES[422]},
              summary="Tokenize a text with the served model's tokenizer (MindIE)")
 async def tokenizer(body: TokenizeRequest, ctx: Ctx) -> TokenizeResponse:
     ids = await tokenize(ctx, body.inputs)
@@ -310,7 +318,7 @@ async def tokenizer(body: TokenizeRequest, ctx: Ctx) -> TokenizeResponse:
 
 # ------------------------------------------------------------------------------- status, health and metrics
 
-UNAVAILABLE: OpenApiResponses = {503: {"model": tgi.TGIErrorResponse, "description": "Redis is unreachable"}}
+UNAVAILABLE: OpenApiResponses = {503: {"model": TGIErrorResponse, "description": "Redis is unreachable"}}
 
 
 async def _states(ctx: ServerContext) -> dict[str, ModelState]:
@@ -328,7 +336,7 @@ def _kv_free(state: ModelState) -> int:
 @router.get(
     "/v2/models/{model}/getSlotCount",
     response_model=SlotCountResponse,
-    responses={404: {"model": tgi.TGIErrorResponse, "description": "Unknown model"}, **UNAVAILABLE},
+    responses={404: {"model": TGIErrorResponse, "description": "Unknown model"}, **UNAVAILABLE},
     summary="Batch slots and KV tokens of the model's live workers (MindIE)",
 )
 async def slot_count(model: str, ctx: Ctx) -> SlotCountResponse:
@@ -369,7 +377,7 @@ HealthSeconds = Annotated[int, Path(ge=1, le=MAX_HEALTH_SECONDS, description="se
 TIMED_HEALTH_RESPONSES: OpenApiResponses = {
     200: {"model": TimedHealthResponse, "description": "a one-token generation answered in time"},
     500: {"model": TimedHealthResponse, "description": "it failed or did not answer in time"},
-    422: tgi.ERROR_RESPONSES[422],
+    422: ERROR_RESPONSES[422],
 }
 
 

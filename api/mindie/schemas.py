@@ -3,7 +3,7 @@
 
 Field rules live on the models, each message naming its field; rules that need the tokenizer or the server
 limits live in :mod:`api.resolve`. ``null`` means unset for every optional field. The ``/infer`` parameters
-are TGI's (:class:`api.tgi.schemas.TGIParameters`, same ranges and wording) plus MindIE's ``priority`` and
+are TGI's (:class:`api.tgi_format.TGIParameters`, same ranges and wording) plus MindIE's ``priority`` and
 ``timeout``.
 """
 
@@ -13,10 +13,9 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from api.openai.schemas import FrequencyPenalty, PresencePenalty, StopTokenIds, VllmRepetitionPenalty, VllmTopP
 from api.ranges import Integer, WholeNumbers, in_range, stop_schema, text_schema
 from api.rules import MAX_INPUT_CHARS, MAX_STOP_CHARS, MAX_STOP_ITEMS, check_text, check_token_ids, validate_stop
-from api.tgi.schemas import (
+from api.tgi_format import (
     UINT32_MAX_PARAM,
     UINT64_MAX,
     TGIParameters,
@@ -25,6 +24,7 @@ from api.tgi.schemas import (
     null_is_empty,
     null_is_false,
 )
+from api.vllm_fields import FrequencyPenalty, PresencePenalty, StopTokenIds, VllmRepetitionPenalty, VllmTopP
 from common.protocol import FinishReason
 
 MAX_TIMEOUT_SECONDS = 65535  # MindIE's `timeout` parameter: 1 to 65535 s
