@@ -32,7 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.context import ServerContext, get_ctx
 from api.errors import ProtocolError, authorized, unauthorized
-from api.mindie import routes as mindie
+from api.mindie.uuid_route import MindIERoute
 from api.tgi_format import ERROR_RESPONSES, render_tgi_error
 from common.settings import Settings, effective_config
 
@@ -50,7 +50,7 @@ MANAGEMENT_PATHS = re.compile(
     r"|v1/config)$"
 )
 
-router = APIRouter(route_class=mindie.router.route_class, tags=["MindIE"])
+router = APIRouter(route_class=MindIERoute, tags=["MindIE"])
 Ctx = Annotated[ServerContext, Depends(get_ctx)]
 
 

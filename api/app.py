@@ -1,4 +1,5 @@
-"""The FastAPI application of an API pod: its context, lifespan and protocol routers.
+"""The FastAPI application of an API pod: its context, lifespan and protocol routers. The one place two protocols
+meet: MindIE's ``POST /generate`` gets TGI's handler for TGI's bodies here (:func:`api.mindie.routes.generate_router`).
 
 Errors raised outside any route (an unknown path, a method the path does not take) answer in the error format
 of the protocol the path belongs to, never FastAPI's ``{"detail": ...}``: OpenAI's under ``/v1``, KServe's
@@ -126,7 +127,8 @@ def create_app(settings: Settings, redis: AsyncRedis | None = None) -> FastAPI:
         lifespan=lifespan,
         exception_handlers={HTTPException: http_error},
     )
-    app.include_router(mindie.router)  # its POST /generate takes TGI's body (api.tgi.routes' handler) and vLLM's
+    app.include_router(mindie.generate_router(tgi.generate_route))  # POST /generate: TGI's body and vLLM's
+    app.include_router(mindie.router)
     app.include_router(tgi.router)
     app.include_router(kserve.router)
     app.include_router(kserve.control_router)

@@ -4,10 +4,10 @@
 A thin translation like :mod:`api.tgi.routes`: each body becomes an :class:`api.request.InferenceRequest`; errors
 are TGI's (``{"error", "error_type"}``, 422 for a bad input: :mod:`api.tgi_format`), as MindIE answers them.
 
-``POST /generate`` is shared with TGI. Its one route here reads the body once and picks the dialect by its
-prompt field (:data:`api.mindie.schemas.GenerateBody`): ``inputs`` is TGI's body, handed to
-:func:`api.tgi.routes.generate_route` (TGI's module keeps its handler and rules); ``prompt`` is vLLM's; both or
-neither is a 422. TGI's router declares no ``/generate`` route of its own.
+``POST /generate`` is shared with TGI. Its one route here (:func:`generate_router`) reads the body once and picks
+the dialect by its prompt field (:data:`api.mindie.schemas.GenerateBody`): ``inputs`` is TGI's body, handed to
+TGI's handler (:func:`api.tgi.routes.generate_route`, which the app wires in: TGI's module keeps its handler and
+rules); ``prompt`` is vLLM's; both or neither is a 422. TGI's router declares no ``/generate`` route of its own.
 
 vLLM dialect: ``{"text": [prompt + completion]}`` as vLLM 0.2.6's api_server answers. Its stream (``stream``:
 true) is vLLM's framing, JSON objects each followed by a NUL byte (not SSE), but each object holds the
@@ -40,7 +40,7 @@ MindIE's status, health and metrics routes (GET), each read from the live worker
 - ``/metrics-json``: :class:`api.mindie.schemas.MetricsJsonResponse`, the means read from the pod's
   histograms (``collect()``), the counts from the workers' reports.
 
-Every response of these routes, errors included, carries a ``RequestUUID`` header (:func:`_uuid_route_class`):
+Every response of these routes, errors included, carries a ``RequestUUID`` header (:mod:`api.mindie.uuid_route`):
 the pipeline's request id on the inference routes (``x-request-id`` when TGI's ``/generate`` got one), a new
 id on the others.
 """
@@ -50,18 +50,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Annotated, Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Annotated
 
 import orjson
 from fastapi import APIRouter, Depends, Path, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from fastapi.routing import APIRoute
 from starlette.background import BackgroundTask
 
 from api import pipeline
 from api.context import ProbeResult, ServerContext, get_ctx
-from api.errors import OpenApiResponses, PipelineError, ProtocolError, error_route_class
+from api.errors import OpenApiResponses, PipelineError, ProtocolError
 from api.health import model_states
 from api.mindie.schemas import (
     NUL,
@@ -84,12 +83,12 @@ from api.mindie.schemas import (
     VLLMGenerateRequest,
     VLLMGenerateResponse,
 )
+from api.mindie.uuid_route import MindIERoute
 from api.pipeline import Submission, generate_for, submit_for, unready_reason
 from api.request import InferenceRequest, QueuedRequest, new_request_id
 from api.resolve import resolve, tokenize
 from api.rules import GREEDY_TEMPERATURE
 from api.sse import event_stream
-from api.tgi import routes as tgi
 from api.tgi_format import (
     ERROR_RESPONSES,
     SSE_CONTENT,
@@ -97,42 +96,21 @@ from api.tgi_format import (
     RequestIdHeader,
     TGIErrorResponse,
     TGIGenerateResponse,
+    TGIRequest,
     client_request_id,
-    render_tgi_error,
 )
 from common.cluster import ModelState
 from common.protocol import DEFAULT_PRIORITY, TokenEvent
 
 log = logging.getLogger(__name__)
 
-REQUEST_UUID = "RequestUUID"
 NUL_STREAM = "application/octet-stream"  # vLLM 0.2.6 sets none; its client splits the body on NUL bytes
 DEFAULT_HEALTH_SECONDS = 10  # GET /health/timed
 MAX_HEALTH_SECONDS = 3600
 HEALTH_PROMPT = "hi"
 
 
-def _uuid_route_class(base: type[APIRoute]) -> type[APIRoute]:
-    """``base`` whose routes give each request an id (``request.state.request_uuid``, which a handler may
-    replace by the pipeline's) and answer it in the ``RequestUUID`` header, errors included: the error
-    answers are made inside ``base``'s handler, so they pass here too. Only this router's routes carry it."""
-
-    class MindIERoute(base):  # type: ignore[misc, valid-type]  # mypy takes no base class from a variable
-        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-            handler = super().get_route_handler()
-
-            async def tagged(request: Request) -> Response:
-                request.state.request_uuid = new_request_id()
-                response = await handler(request)
-                response.headers[REQUEST_UUID] = request.state.request_uuid
-                return response
-
-            return tagged
-
-    return MindIERoute
-
-
-router = APIRouter(route_class=_uuid_route_class(error_route_class(render_tgi_error)), tags=["MindIE"])
+router = APIRouter(route_class=MindIERoute, tags=["MindIE"])
 Ctx = Annotated[ServerContext, Depends(get_ctx)]
 
 
@@ -147,26 +125,37 @@ def _timed_out(timeout: int) -> PipelineError:
 # ------------------------------------------------------------------------------- POST /generate
 
 
-@router.post(
-    "/generate",
-    responses={**ERROR_RESPONSES, 200: {
-        "model": TGIGenerateResponse | VLLMGenerateResponse,
-        "content": {NUL_STREAM: {}},
-        "description": "TGI's answer to an `inputs` body; vLLM 0.2.6's `{\"text\": [prompt + completion]}` to a "
-                       "`prompt` body, or with stream=true its NUL-delimited JSON objects `{\"text\": [delta]}`",
-    }},
-    summary="Generate text: TGI's body (`inputs`) or vLLM 0.2.6's (`prompt`)",
-)
-async def generate_route(
-    body: GenerateBody, ctx: Ctx, http: Request, x_request_id: RequestIdHeader = None
-) -> Response:
-    """One route, two dialects (see the module's docstring); ``x-request-id`` names the request in both."""
-    request_id = client_request_id(x_request_id)  # TGI's rule for the header, shared by both dialects
-    if request_id is not None:
-        http.state.request_uuid = request_id
-    if isinstance(body, VLLMGenerateRequest):
-        return await _vllm_generate(ctx, body, http)
-    return await tgi.generate_route(body, ctx, http, http.state.request_uuid)
+TGIGenerate = Callable[[TGIRequest, ServerContext, Request, str | None], Awaitable[Response]]
+"""TGI's answer to a TGI body of ``POST /generate`` (:func:`api.tgi.routes.generate_route`)."""
+
+
+def generate_router(tgi_generate: TGIGenerate) -> APIRouter:
+    """The router of ``POST /generate``: vLLM's bodies answered here, TGI's by ``tgi_generate``, which the app
+    hands in (:func:`api.app.create_app`) so that neither protocol imports the other."""
+    generate = APIRouter(route_class=MindIERoute, tags=["MindIE"])
+
+    @generate.post(
+        "/generate",
+        responses={**ERROR_RESPONSES, 200: {
+            "model": TGIGenerateResponse | VLLMGenerateResponse,
+            "content": {NUL_STREAM: {}},
+            "description": "TGI's answer to an `inputs` body; vLLM 0.2.6's `{\"text\": [prompt + completion]}` to a "
+                           "`prompt` body, or with stream=true its NUL-delimited JSON objects `{\"text\": [delta]}`",
+        }},
+        summary="Generate text: TGI's body (`inputs`) or vLLM 0.2.6's (`prompt`)",
+    )
+    async def generate_route(
+        body: GenerateBody, ctx: Ctx, http: Request, x_request_id: RequestIdHeader = None
+    ) -> Response:
+        """One route, two dialects (see the module's docstring); ``x-request-id`` names the request in both."""
+        request_id = client_request_id(x_request_id)  # TGI's rule for the header, shared by both dialects
+        if request_id is not None:
+            http.state.request_uuid = request_id
+        if isinstance(body, VLLMGenerateRequest):
+            return await _vllm_generate(ctx, body, http)
+        return await tgi_generate(body, ctx, http, http.state.request_uuid)
+
+    return generate
 
 
 def vllm_inference_request(body: VLLMGenerateRequest, request_id: str) -> InferenceRequest:

@@ -176,7 +176,8 @@ async def compat_generate(
     return await _respond(ctx, body, request_id, http, listed=True)
 
 
-# POST /generate: MindIE's route (api.mindie.routes) answers it (it also takes vLLM's dialect), TGI's bodies here.
+# POST /generate: MindIE's route answers it (it also takes vLLM's dialect) and hands TGI's bodies here; the app
+# wires this handler into it (api.mindie.routes.generate_router), so neither protocol imports the other.
 async def generate_route(
     body: TGIRequest, ctx: Ctx, http: Request, x_request_id: RequestIdHeader = None
 ) -> Response:
