@@ -1,6 +1,6 @@
 """LoRA adapters: each model's adapter registry in Redis (:func:`common.keys.adapters_key`), which the
 run-time routes vLLM and MindIE serve change (``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``,
-in :mod:`api.openai`: vLLM answers them in OpenAI's error format).
+in :mod:`api.openai.routes`: vLLM answers them in OpenAI's error format).
 
 A request selects an adapter by name (TGI and KServe ``adapter_id``, OpenAI ``model``) and the pipeline takes it
 while the name is in the registry. Workers load an adapter from its folder the first time a job names it.

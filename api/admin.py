@@ -2,8 +2,8 @@
 
 - ``GET /v1/config``: the pod's effective configuration in the config file's layout (ServerConfig, LogConfig,
   BackendConfig with ScheduleConfig and ModelDeployConfig; :func:`common.settings.effective_config`), without
-  secrets (no API keys; the Redis password masked). MindIE's ``GET /v2/models/{m}/config`` is api/kserve.py's:
-  Triton's model configuration and MindIE's fields in one object, for both kinds of client.
+  secrets (no API keys; the Redis password masked). MindIE's ``GET /v2/models/{m}/config`` is KServe's
+  (api/kserve/routes.py): Triton's model configuration and MindIE's fields in one object, for both kinds of client.
 - ``GET /stopService[?mode=Force]``: drains the pod. From then on the pipeline refuses every new request
   (``stopping``: 503 in each protocol's error format); once the requests in flight have finished (with
   ``Force``: after :data:`FORCE_SECONDS` at most) the pod stops the way SIGTERM stops it, by ending uvicorn's
@@ -30,9 +30,10 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api import mindie, tgi
 from api.context import ServerContext, get_ctx
 from api.errors import ProtocolError, authorized, unauthorized
+from api.mindie.uuid_route import MindIERoute
+from api.tgi_format import ERROR_RESPONSES, render_tgi_error
 from common.settings import Settings, effective_config
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ MANAGEMENT_PATHS = re.compile(
     r"|v1/config)$"
 )
 
-router = APIRouter(route_class=mindie.router.route_class, tags=["MindIE"])
+router = APIRouter(route_class=MindIERoute, tags=["MindIE"])
 Ctx = Annotated[ServerContext, Depends(get_ctx)]
 
 
@@ -64,17 +65,17 @@ async def config(ctx: Ctx) -> dict[str, Any]:
 
 
 @router.get(STOP_SERVICE, response_model=StopServiceResponse,
-            responses={401: tgi.ERROR_RESPONSES[422] | {"description": "API key missing or wrong"},
-                       403: tgi.ERROR_RESPONSES[422] | {"description": "not served to this caller (README)"},
-                       422: tgi.ERROR_RESPONSES[422]},
+            responses={401: ERROR_RESPONSES[422] | {"description": "API key missing or wrong"},
+                       403: ERROR_RESPONSES[422] | {"description": "not served to this caller (README)"},
+                       422: ERROR_RESPONSES[422]},
             summary="Drain this pod, then stop it (mode=Force: stop after 5 s even with requests in flight)")
 async def stop_service(
     ctx: Ctx, http: Request, mode: Annotated[Literal["Force"] | None, Query()] = None
 ) -> StopServiceResponse | Response:
     if not authorized(http):
-        return unauthorized(tgi.render_tgi_error)
+        return unauthorized(render_tgi_error)
     if (refusal := _stop_refusal(ctx.settings, http)) is not None:
-        return tgi.render_tgi_error(ProtocolError(403, refusal, "forbidden"))
+        return render_tgi_error(ProtocolError(403, refusal, "forbidden"))
     loop = asyncio.get_running_loop()
     drain = ctx.drain
     if mode == "Force":

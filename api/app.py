@@ -1,4 +1,5 @@
-"""The FastAPI application of an API pod: its context, lifespan and protocol routers.
+"""The FastAPI application of an API pod: its context, lifespan and protocol routers. The one place two protocols
+meet: MindIE's ``POST /generate`` gets TGI's handler for TGI's bodies here (:func:`api.mindie.routes.generate_router`).
 
 Errors raised outside any route (an unknown path, a method the path does not take) answer in the error format
 of the protocol the path belongs to, never FastAPI's ``{"detail": ...}``: OpenAI's under ``/v1``, KServe's
@@ -19,11 +20,16 @@ from fastapi.openapi.utils import get_openapi
 from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException
 
-from api import __version__, adapters, admin, kserve, mindie, openai, ops, tgi
+from api import __version__, adapters, admin, ops
 from api.context import ModelInfo, ServerContext
 from api.errors import HeaderLimit, ProtocolError
+from api.kserve import routes as kserve
+from api.mindie import routes as mindie
+from api.openai import routes as openai
 from api.ranges import integral_bounds
 from api.relay import EventRelay
+from api.tgi import routes as tgi
+from api.tgi_format import render_tgi_error
 from common.connection import REDIS_ERRORS, AsyncRedis, async_client
 from common.settings import Settings
 
@@ -43,7 +49,7 @@ PATH_ERRORS: tuple[tuple[str, Callable[[ProtocolError], Response]], ...] = (
 def render_for_path(path: str) -> Callable[[ProtocolError], Response]:
     """The error renderer of the protocol ``path`` belongs to."""
     return next((render for prefix, render in PATH_ERRORS if path == prefix or path.startswith(prefix + "/")),
-                tgi.render_tgi_error)
+                render_tgi_error)
 
 
 async def http_error(request: Request, exc: HTTPException) -> Response:
@@ -121,7 +127,8 @@ def create_app(settings: Settings, redis: AsyncRedis | None = None) -> FastAPI:
         lifespan=lifespan,
         exception_handlers={HTTPException: http_error},
     )
-    app.include_router(mindie.router)  # its POST /generate takes TGI's body (api.tgi's handler) and vLLM's
+    app.include_router(mindie.generate_router(tgi.generate_route))  # POST /generate: TGI's body and vLLM's
+    app.include_router(mindie.router)
     app.include_router(tgi.router)
     app.include_router(kserve.router)
     app.include_router(kserve.control_router)

@@ -103,7 +103,7 @@ class ProbeResult:
 
 @dataclass
 class TimedHealthProbe:
-    """The pod's ``/health/timed`` probe (:mod:`api.mindie`), shared by every per-model copy of the context: the
+    """The pod's ``/health/timed`` probe (:mod:`api.mindie.routes`), shared by every per-model copy of the context: the
     generation ``running``, which every caller waits for (``waiters`` of them), and the ``last`` result, which
     answers the calls of the next timedHealthCacheSeconds. So probes cost one generation at a time, however many
     callers (kubelets send no API key: the route stays open)."""

@@ -1,4 +1,5 @@
-"""Protocol errors and the route class that renders them in each protocol's own error format.
+"""Protocol errors, each protocol's status for a pipeline failure (:class:`Protocol`), and the route class that
+renders them in each protocol's own error format.
 
 Handlers raise :class:`ProtocolError`; request-body validation failures (FastAPI's
 ``RequestValidationError``) become one too. Each protocol router is built with
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from fastapi import Request, Response
@@ -44,6 +47,57 @@ class ProtocolError(Exception):
         self.message = message
         self.error_type = error_type
         self.param = param
+
+
+class PipelineError(Exception):
+    """A request the pipeline could not complete. ``error_type`` says why; each adapter maps it to its
+    protocol's status: ``generation`` (the worker failed), ``overloaded`` (queue or connection limit),
+    ``incomplete_generation`` (a timeout), ``unavailable`` (Redis unreachable), ``stopping`` (stopService was
+    called: 503 on every protocol), ``validation`` (a request id already in flight)."""
+
+    def __init__(self, message: str, error_type: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.error_type = error_type
+
+
+# The statuses KServe v2 and OpenAI both give each pipeline failure: 400 a bad request, 500 a failed generation,
+# 503 retry later, 499 (nginx's) a client that left. TGI's differ (api/tgi_format.py).
+REST_STATUSES: Mapping[str, int] = MappingProxyType({
+    "validation": 400,
+    "generation": 500,
+    "incomplete_generation": 500,
+    "overloaded": 503,
+    "unavailable": 503,
+    "stopping": 503,
+    "client_disconnected": 499,
+})
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """What differs between protocols once a body is translated: the status of each pipeline failure
+    (``validation`` included) and the few rules their specs set differently."""
+
+    statuses: Mapping[str, int]
+    # A prompt over the token limit: the message ({field}, {limit}, {count}) and its machine-readable code.
+    too_long: str = "`{field}` must have at most {limit} tokens. Given: {count}"
+    too_long_code: str = "validation"
+    # KServe (SPEC.md section 2): top_k >= the vocabulary and max_new_tokens > maxIterTimes are errors;
+    # elsewhere top_k is clamped to the vocabulary and max_new_tokens capped at maxIterTimes.
+    strict_limits: bool = False
+    # An unset top_k: the model's default (generation_config.json, then config.json), or off.
+    model_default_top_k: bool = True
+
+    def invalid(self, message: str, field: str | None = None, code: str = "validation") -> ProtocolError:
+        """A request this protocol refuses, with its validation status and the field at fault."""
+        return ProtocolError(self.statuses["validation"], VALIDATION_PREFIX + message, code, field)
+
+    def failure(self, exc: PipelineError) -> ProtocolError:
+        """A pipeline failure with this protocol's status for its type (500 when it has none), and the
+        validation prefix on a validation failure (a request id already in flight)."""
+        message = VALIDATION_PREFIX + exc.message if exc.error_type == "validation" else exc.message
+        return ProtocolError(self.statuses.get(exc.error_type, 500), message, exc.error_type)
 
 
 def _field(error: Any) -> str:

@@ -1,4 +1,4 @@
-"""Liveness of the models' workers and the health report of ``GET /health``, read from Redis."""
+"""The served models' workers and queues, and the health report of ``GET /health``, read from Redis."""
 
 from __future__ import annotations
 
@@ -8,16 +8,10 @@ import time
 from pydantic import BaseModel, Field
 
 from api.context import ServerContext
-from common import keys
 from common.cluster import ModelState, read_model_state
-from common.connection import REDIS_ERRORS, AsyncRedis
+from common.connection import REDIS_ERRORS
 
 log = logging.getLogger(__name__)
-
-
-async def live_workers(redis: AsyncRedis, model: str, now: float) -> int:
-    """Workers whose heartbeat has not expired (see :func:`common.keys.heartbeats`)."""
-    return await redis.zcount(keys.heartbeats(model), now, "+inf")
 
 
 async def model_states(ctx: ServerContext) -> list[ModelState] | None:

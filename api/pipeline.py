@@ -1,8 +1,9 @@
-"""The job path under every protocol: queue a resolved :class:`GenerationRequest`, relay its events.
+"""The job path under every protocol: queue a resolved request (:class:`api.request.QueuedRequest`), relay its
+events.
 
-Adapters reach it through :mod:`api.inference` (which resolves their requests and maps a
-:class:`PipelineError` to their status): :func:`generate`, or :func:`submit` and :meth:`Submission.events` to
-stream. Nothing else touches the job stream or the reply channels.
+Adapters reach it with a request :mod:`api.resolve` made: :func:`generate_for`, or :func:`submit_for` and
+:meth:`Submission.events` to stream, each mapping a :class:`~api.errors.PipelineError` to their protocol's status.
+Nothing else touches the job stream or the reply channels.
 """
 
 from __future__ import annotations
@@ -19,17 +20,17 @@ from pydantic import BaseModel, Field
 from starlette.requests import Request
 
 from api.context import ServerContext
-from api.health import live_workers
-from api.media import MediaData
+from api.errors import PipelineError, Protocol
 from api.relay import RelayUnavailable
+from api.request import QueuedRequest
 from common import keys
+from common.cluster import live_workers
 from common.connection import REDIS_ERRORS, as_text, publish, publish_command
 from common.logs import bind_request_id
 from common.protocol import (
     Control,
     ErrorEvent,
     Finish,
-    GenerationRequest,
     Job,
     MediaRef,
     TokenEvent,
@@ -38,24 +39,6 @@ from common.protocol import (
 )
 
 log = logging.getLogger(__name__)
-
-class PipelineError(Exception):
-    """A request the pipeline could not complete. ``error_type`` says why; each adapter maps it to its
-    protocol's status: ``generation`` (the worker failed), ``overloaded`` (queue or connection limit),
-    ``incomplete_generation`` (a timeout), ``unavailable`` (Redis unreachable), ``stopping`` (stopService was
-    called: 503 on every protocol), ``validation`` (a request id already in flight)."""
-
-    def __init__(self, message: str, error_type: str) -> None:
-        super().__init__(message)
-        self.message = message
-        self.error_type = error_type
-
-
-class QueuedRequest(GenerationRequest):
-    """A resolved request with its media items read: the job carries them as Redis keys (:class:`MediaRef`),
-    written when it is queued."""
-
-    media: list[MediaData] = Field(default_factory=list, description="read and checked, in placeholder order")
 
 
 class GenerationResult(BaseModel):
@@ -365,3 +348,22 @@ async def _collect(submission: Submission) -> GenerationResult:
         if event.finish is not None:
             return GenerationResult(tokens=tokens, finish=event.finish, duration=submission.elapsed)
     raise PipelineError("the token stream ended without a final event", "incomplete_generation")
+
+
+async def generate_for(
+    ctx: ServerContext, protocol: Protocol, request: QueuedRequest, client: Request
+) -> GenerationResult:
+    """Run the request to completion (:func:`generate`); a failure as the protocol's error."""
+    try:
+        return await generate(ctx, request, client)
+    except PipelineError as exc:
+        raise protocol.failure(exc) from None
+
+
+async def submit_for(ctx: ServerContext, protocol: Protocol, request: QueuedRequest) -> Submission:
+    """Queue the request for a stream (:func:`submit`); a refusal as the protocol's error, so it answers with a
+    status before the stream starts."""
+    try:
+        return await submit(ctx, request)
+    except PipelineError as exc:
+        raise protocol.failure(exc) from None

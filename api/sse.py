@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Protocol
 
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.background import BackgroundTask
 
-from api.pipeline import PipelineError, Submission
+from api.context import ServerContext
+from api.errors import PipelineError
 from common.protocol import TokenEvent
 
 SSE_KEEPALIVE_SECONDS = 15
@@ -15,6 +17,20 @@ MAX_EVENTS_PER_WRITE = 64
 SHUTDOWN_WRITE_SECONDS = 2.0
 """Past shutdownGraceSeconds, how long a stream has to write the error that ends it (the pod ends its requests then:
 :class:`api.main.PodServer`) before sse-starlette cancels it."""
+
+
+class Submission(Protocol):
+    """What a stream reads of a queued request (:class:`api.pipeline.Submission`), so that streams do not
+    depend on the pipeline."""
+
+    ctx: ServerContext
+
+    @property
+    def ready(self) -> bool: ...
+
+    def events(self) -> AsyncIterator[TokenEvent]: ...
+
+    async def close(self) -> None: ...
 
 
 def _frame(payload: str) -> bytes:

@@ -8,7 +8,8 @@ import pytest
 
 import api.pipeline
 from api.context import ServerContext
-from api.pipeline import PipelineError, QueuedRequest
+from api.errors import PipelineError
+from api.request import QueuedRequest
 from common.protocol import Finish, TokenEvent, TokenInfo
 
 SubmitFn = Callable[[ServerContext, QueuedRequest], Awaitable["FakeSubmission"]]
@@ -42,8 +43,8 @@ class FakeSubmission:
 
 
 def patch_submit(monkeypatch: pytest.MonkeyPatch, submit: SubmitFn) -> None:
-    """Route every adapter's queueing (``generate`` and streams alike: both reach :func:`api.pipeline.submit`
-    through :mod:`api.inference`) through ``submit``."""
+    """Route every adapter's queueing (whole generations and streams alike: both reach
+    :func:`api.pipeline.submit`) through ``submit``."""
     monkeypatch.setattr(api.pipeline, "submit", submit)
 
 

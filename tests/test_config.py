@@ -17,7 +17,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from api.pipeline import QueuedRequest
+from api.request import QueuedRequest
 from common import keys
 from common.config_file import flatten_config
 from common.protocol import Finish, TokenEvent, TokenInfo

@@ -1,7 +1,7 @@
 """Unit tests of SPEC.md section 2's rules on the KServe v2 / Triton routes, and of their other answers.
 
 Rejections go through HTTP (FastAPI TestClient, fakeredis; validation fails before anything is queued, so no
-worker runs). Accepted edges and resolved values call :func:`api.kserve.to_generation_request` (and its
+worker runs). Accepted edges and resolved values call :func:`api.kserve.routes.to_generation_request` (and its
 generate counterpart) directly. An autouse guard replaces the queueing calls so a request that is wrongly
 accepted fails loudly; ``stand_in_worker`` swaps in canned answers to test response shapes over HTTP.
 """
@@ -26,14 +26,16 @@ from tritonclient.http import InferResult
 
 from api.app import create_app
 from api.context import ServerContext
-from api.kserve import (
+from api.errors import PipelineError
+from api.kserve.routes import (
     infer_response,
     parse_infer_body,
     text_to_generation_request,
     to_generation_request,
 )
-from api.kserve_schemas import KServeGenerateRequest, KServeInferRequest, SamplingParameters
-from api.pipeline import GenerationResult, PipelineError, QueuedRequest
+from api.kserve.schemas import KServeGenerateRequest, KServeInferRequest, SamplingParameters
+from api.pipeline import GenerationResult
+from api.request import QueuedRequest
 from common import keys
 from common.protocol import Finish, TokenEvent, TokenInfo
 from common.settings import Settings

@@ -1,4 +1,4 @@
-"""MindIE's native routes (api/mindie.py): ``POST /generate`` in vLLM 0.2.6's dialect beside TGI's, ``/infer``,
+"""MindIE's native routes (api/mindie/routes.py): ``POST /generate`` in vLLM 0.2.6's dialect beside TGI's, ``/infer``,
 ``/infer_token``, ``/v1/tokenizer`` and the ``RequestUUID`` header.
 
 Shapes, validation and headers run in-process over fakeredis with a stand-in worker (tests/fakes.py); generation
@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 
 from api.app import create_app
 from api.context import ServerContext
-from api.pipeline import QueuedRequest
+from api.request import QueuedRequest
 from common import keys
 from common.protocol import decode_event
 from common.settings import Settings

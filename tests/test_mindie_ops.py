@@ -1,4 +1,4 @@
-"""MindIE's status, health and metrics routes (:mod:`api.mindie`): ``/v2/models/{m}/getSlotCount``,
+"""MindIE's status, health and metrics routes (:mod:`api.mindie.routes`): ``/v2/models/{m}/getSlotCount``,
 ``/v1/status`` and ``/v2/status``, ``/health/timed[-N]``, ``/metrics-json``; MindIE's Prometheus names on
 ``/metrics`` and its ``models`` field of ``/info``."""
 
@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.context import ServerContext
-from api.pipeline import QueuedRequest
+from api.request import QueuedRequest
 from common import keys
 from common.protocol import Finish, WorkerStatus
 from common.settings import ModelEntry, Settings

@@ -2,8 +2,8 @@
 response and stream shapes.
 
 Rejections go through HTTP (FastAPI TestClient, fakeredis; validation fails before anything is queued, so no
-worker runs). Accepted requests and resolved values call :func:`api.openai.to_completion_request` and
-:func:`api.openai.to_chat_request` directly. An autouse guard makes any queued request fail the test;
+worker runs). Accepted requests and resolved values call :func:`api.openai.routes.to_completion_request` and
+:func:`api.openai.routes.to_chat_request` directly. An autouse guard makes any queued request fail the test;
 ``stand_in_worker`` answers with canned tokens to test response shapes over HTTP.
 """
 
@@ -25,10 +25,10 @@ from transformers import AutoTokenizer
 import api.main
 from api.app import create_app
 from api.context import ModelInfo, ServerContext
-from api.errors import ProtocolError
-from api.openai import to_chat_request, to_completion_request
-from api.openai_schemas import ChatCompletionRequest, CompletionRequest
-from api.pipeline import PipelineError, QueuedRequest
+from api.errors import PipelineError, ProtocolError
+from api.openai.routes import to_chat_request, to_completion_request
+from api.openai.schemas import ChatCompletionRequest, CompletionRequest
+from api.request import QueuedRequest
 from common.protocol import Finish, FinishReason, TokenEvent, TokenInfo
 from common.settings import ConfigError, Settings, load_settings
 from tests import helpers

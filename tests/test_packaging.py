@@ -38,6 +38,9 @@ def test_the_wheel_ships_the_corpus_and_makes_the_tiny_model_outside_the_checkou
     (wheel,) = wheels.glob("ferry_llm-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "worker/data/corpus.txt" in names
+    modules = {path.relative_to(source).as_posix() for package in ("api", "common", "worker", "server")
+               for path in (source / package).rglob("*.py")}
+    assert modules - set(names) == set()  # every module ships, subpackages' too (pyproject's packages names each)
     assert any(name.endswith(".dist-info/licenses/LICENSE") for name in names)
     subprocess.run([*pip, "install", "--no-deps", "--quiet", "--target", str(site), str(wheel)], check=True, timeout=60)
 

@@ -35,8 +35,9 @@ import redis
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from api.errors import PipelineError
 from api.metrics import ApiMetrics
-from api.pipeline import PipelineError, Submission
+from api.pipeline import Submission
 from common import keys
 from common.protocol import (
     DEFAULT_PRIORITY,

@@ -8,7 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from api.pipeline import PipelineError
+from api.errors import PipelineError
 from api.sse import event_stream
 from common.protocol import TokenEvent, TokenInfo
 from common.settings import Settings

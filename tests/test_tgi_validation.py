@@ -1,7 +1,7 @@
 """Unit tests of SPEC.md section 1's request rules for the TGI routes (``POST /``, ``/generate``, ``/generate_stream``).
 
 Rejections go through HTTP (FastAPI TestClient, fakeredis; validation fails before anything is queued, so no
-worker runs). Accepted edges and resolved values call :func:`api.tgi.to_generation_request` directly and look
+worker runs). Accepted edges and resolved values call :func:`api.tgi.routes.to_generation_request` directly and look
 at the :class:`QueuedRequest` it builds. An autouse guard replaces the queueing functions so a request that
 is wrongly accepted fails loudly instead of waiting forever for a worker.
 """
@@ -22,9 +22,9 @@ from transformers import AutoTokenizer
 
 from api.app import create_app
 from api.context import MAX_INPUT_TOKENS_HARD_CAP, ServerContext
-from api.pipeline import QueuedRequest
-from api.tgi import to_generation_request
-from api.tgi_schemas import TGIRequest
+from api.request import QueuedRequest
+from api.tgi.routes import to_generation_request
+from api.tgi_format import TGIRequest
 from common.protocol import Finish, Job, TokenEvent, TokenInfo
 from common.settings import Settings
 from tests.fakes import FakeSubmission, patch_submit

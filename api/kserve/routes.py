@@ -2,7 +2,7 @@
 Triton's generate extension (``/generate``, ``/generate_stream``), model configuration (with MindIE's fields),
 repository index and statistics extensions (``/config``, ``/v2/repository/index``, ``/stats``).
 
-A thin translation onto :mod:`api.inference`, like :mod:`api.tgi`. Every error is KServe's
+A thin translation onto :mod:`api.resolve` and :mod:`api.pipeline`, like :mod:`api.tgi.routes`. Every error is KServe's
 ``{"error": "..."}``: 400 for a bad request, 404 for an unknown model, 503 when not ready, 500 when
 generation fails. The infer route reads its body itself because Triton clients send tensors with the
 binary tensor data extension by default: a JSON header of ``Inference-Header-Content-Length`` bytes,
@@ -31,9 +31,8 @@ from sse_starlette import EventSourceResponse
 
 from api import __version__
 from api.context import ServerContext, get_ctx
-from api.errors import OpenApiResponses, ProtocolError, error_route_class, validation_error
-from api.inference import REST_STATUSES, InferenceRequest, Protocol, generate, resolve, resolve_ids, submit
-from api.kserve_schemas import (
+from api.errors import REST_STATUSES, OpenApiResponses, Protocol, ProtocolError, error_route_class, validation_error
+from api.kserve.schemas import (
     DATATYPE,
     INPUT_NAME,
     OUTPUT_NAME,
@@ -59,7 +58,9 @@ from api.kserve_schemas import (
     StopInferRequest,
 )
 from api.metrics import series
-from api.pipeline import GenerationResult, QueuedRequest, send_control, unready_reason
+from api.pipeline import GenerationResult, generate_for, send_control, submit_for, unready_reason
+from api.request import InferenceRequest, QueuedRequest
+from api.resolve import resolve, resolve_ids
 from api.sse import event_stream
 from common import keys
 from common.connection import REDIS_ERRORS, as_text
@@ -159,13 +160,13 @@ def _inference_request(
 
 
 def to_generation_request(ctx: ServerContext, body: KServeInferRequest, binary: bytes = b"") -> QueuedRequest:
-    """The infer request as a pipeline request (:func:`api.inference.resolve_ids`)."""
+    """The infer request as a pipeline request (:func:`api.resolve.resolve_ids`)."""
     request = _inference_request(body.sampling, "inputs[0].data", body.id, token_ids=_token_ids(body.input, binary))
     return resolve_ids(ctx, KSERVE, request)
 
 
 async def text_to_generation_request(ctx: ServerContext, body: KServeGenerateRequest) -> QueuedRequest:
-    """The generate extension's request as a pipeline request (:func:`api.inference.resolve`)."""
+    """The generate extension's request as a pipeline request (:func:`api.resolve.resolve`)."""
     params = body.sampling
     assert not isinstance(params.stop, str)  # its validator made it a list
     request = _inference_request(params, "text_input", stop=params.stop, text=body.text_input)
@@ -209,7 +210,7 @@ async def infer(request: Request, ctx: Ctx) -> Response:
     """Token ids in, token ids out (SPEC.md section 2)."""
     body, binary = parse_infer_body(await request.body(), request.headers.get(HEADER_LENGTH))
     generation = to_generation_request(ctx, body, binary)
-    return infer_response(ctx, body, generation, await generate(ctx, KSERVE, generation, request))
+    return infer_response(ctx, body, generation, await generate_for(ctx, KSERVE, generation, request))
 
 
 @router.post(
@@ -219,7 +220,7 @@ async def infer(request: Request, ctx: Ctx) -> Response:
 )
 async def generate_route(body: KServeGenerateRequest, ctx: Ctx, http: Request) -> KServeGenerateResponse:
     """Triton's generate extension: text in, generated text out."""
-    result = await generate(ctx, KSERVE, await text_to_generation_request(ctx, body), http)
+    result = await generate_for(ctx, KSERVE, await text_to_generation_request(ctx, body), http)
     return KServeGenerateResponse(
         model_name=ctx.model.model_id, model_version=MODEL_VERSION, text_output=result.finish.generated_text
     )
@@ -234,7 +235,7 @@ async def generate_route(body: KServeGenerateRequest, ctx: Ctx, http: Request) -
 )
 async def generate_stream_route(body: KServeGenerateRequest, ctx: Ctx) -> Response:
     """The generate extension as SSE; the body is validated before the stream starts (400 otherwise)."""
-    submission = await submit(ctx, KSERVE, await text_to_generation_request(ctx, body))
+    submission = await submit_for(ctx, KSERVE, await text_to_generation_request(ctx, body))
 
     async def render(events: AsyncIterator[TokenEvent]) -> AsyncIterator[str]:
         """One event per token with its text delta."""

@@ -1,18 +1,33 @@
-"""Request and response shapes of the TGI 0.9.4 compatible routes, with SPEC.md section 1's rules.
+"""TGI 0.9.4's text-generation format, which the TGI routes (:mod:`api.tgi.routes`) and MindIE's
+(:mod:`api.mindie.routes`, whose ``/generate`` and ``/infer`` take TGI's body and parameters) both speak: the
+request and answer shapes with SPEC.md section 1's rules, the status of each failure, the error body, and the
+``x-request-id`` header. One module beside both protocols, so that neither imports the other.
 
 Field rules live on the models (one rule per field, messages worded like TGI's ``validation.rs``);
-rules that need the tokenizer or server limits live in :mod:`api.inference`.
+rules that need the tokenizer or server limits live in :mod:`api.resolve`.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+from fastapi import Header
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from api.errors import OpenApiResponses, Protocol, ProtocolError
 from api.media import MediaSource
 from api.ranges import Integer, in_range, stop_schema, text_schema
-from api.rules import MAX_INPUT_CHARS, MAX_STOP_CHARS, MAX_STOP_ITEMS, check_text, validate_adapter_id, validate_stop
+from api.rules import (
+    MAX_INPUT_CHARS,
+    MAX_STOP_CHARS,
+    MAX_STOP_ITEMS,
+    REQUEST_ID_PATTERN,
+    REQUEST_ID_REGEX,
+    check_text,
+    validate_adapter_id,
+    validate_stop,
+)
 from common.protocol import ADAPTER_NAME_PATTERN, FinishReason, MediaKind
 
 UINT32_MAX_PARAM = 2147483647
@@ -85,7 +100,7 @@ class TGIParameters(BaseModel):
     _adapter_id = field_validator("adapter_id")(staticmethod(validate_adapter_id))
 
     def request_fields(self) -> dict[str, Any]:
-        """These parameters under the names of the protocol-neutral request (:class:`api.inference.InferenceRequest`),
+        """These parameters under the names of the protocol-neutral request (:class:`api.request.InferenceRequest`),
         each mapped explicitly; ``details``, ``return_full_text`` and the validated-only fields shape the answer."""
         return {
             "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "typical_p": self.typical_p,
@@ -232,63 +247,45 @@ class TGIGenerateResponse(BaseModel):
     details: TGIDetails | None = None
 
 
-class TGIStreamToken(BaseModel):
-    id: int | list[int] = Field(description="a list on `POST /` (seed format), an int on /generate_stream")
-    text: str
-    logprob: float | None
-    special: bool
-
-
-class TGIStreamDetails(BaseModel):
-    finish_reason: FinishReason
-    generated_tokens: int
-    prompt_tokens: int
-    seed: int | None
-
-
-class TGIStreamResponse(BaseModel):
-    token: TGIStreamToken
-    generated_text: str | None = None
-    details: TGIStreamDetails | None = None
-
-
 class TGIErrorResponse(BaseModel):
     error: str
     error_type: Literal["validation", "generation", "overloaded", "incomplete_generation", "unhealthy"] | str
 
 
-class InfoModel(BaseModel):
-    """One served model in ``/info``'s ``models`` (MindIE's field)."""
-
-    model_id: str
-    model_sha: str | None
-    model_dtype: str
-    model_device_type: str
-    model_pipeline_tag: str | None
-    max_total_tokens: int
+def render_tgi_error(exc: ProtocolError) -> Response:
+    return JSONResponse({"error": exc.message, "error_type": exc.error_type}, status_code=exc.status)
 
 
-class TGIInfo(BaseModel):
-    """``GET /info`` as TGI 0.9.4 reports it (the default model), plus MindIE's ``models``: every served model,
-    the default first. TGI's ``max_batch_total_tokens``, ``max_concurrent_requests`` and ``max_best_of`` are
-    MindIE's fields too. ``max_concurrent_requests`` is maxLinkNum, the requests this pod holds open before it
-    refuses more, as TGI's is its router's bound (not the workers' maxBatchSize)."""
+ERROR_RESPONSES: OpenApiResponses = {
+    422: {"model": TGIErrorResponse, "description": "Input validation error"},
+    424: {"model": TGIErrorResponse, "description": "Generation error"},
+    429: {"model": TGIErrorResponse, "description": "Overloaded: queue or connection limit reached"},
+    500: {"model": TGIErrorResponse, "description": "Incomplete generation (timed out)"},
+    503: {"model": TGIErrorResponse, "description": "The server is stopping (stopService)"},
+}
 
-    model_id: str
-    model_sha: str | None
-    model_dtype: str
-    model_device_type: str
-    model_pipeline_tag: str | None
-    max_concurrent_requests: int
-    max_best_of: int
-    max_stop_sequences: int
-    max_input_length: int
-    max_total_tokens: int
-    waiting_served_ratio: float
-    max_batch_total_tokens: int
-    max_waiting_tokens: int
-    validation_workers: int
-    version: str
-    sha: str | None
-    docker_label: str | None
-    models: list[InfoModel]
+
+# TGI's statuses for each pipeline failure (429, never 503: huggingface_hub retries a 503 forever).
+TGI = Protocol(
+    statuses={
+        "validation": 422,
+        "generation": 424,
+        "unavailable": 424,
+        "overloaded": 429,
+        "stopping": 503,  # stopService: this pod is going away; a retry belongs on another pod
+        "incomplete_generation": 500,
+        "client_disconnected": 499,
+    },
+    too_long="`{field}` must have less than {limit} tokens. Given: {count}",  # TGI's wording
+)
+
+
+def client_request_id(header: str | None) -> str | None:
+    """The client's ``x-request-id`` when well formed (it names the request for cancel/logs); None: a new one."""
+    if header is not None and not REQUEST_ID_PATTERN.match(header):
+        raise TGI.invalid("`x-request-id` must be 1 to 256 characters of letters, digits, '_' or '-'")
+    return header
+
+
+SSE_CONTENT: dict[str, Any] = {"content": {"text/event-stream": {}}}  # a stream's 200, beside or instead of JSON
+RequestIdHeader = Annotated[str | None, Header(alias="x-request-id", json_schema_extra={"pattern": REQUEST_ID_REGEX})]

@@ -2,7 +2,7 @@
 ``/v1/models``).
 
 Field rules live on the models, one validator per rule, each message naming its field; rules that need the
-tokenizer, the model or the server limits live in :mod:`api.openai`. ``null`` means unset everywhere. Nothing
+tokenizer, the model or the server limits live in :mod:`api.openai.routes`. ``null`` means unset everywhere. Nothing
 is silently dropped: a body field is honoured (OpenAI's, and vLLM's sampling extras ``top_k``,
 ``repetition_penalty``, ``ignore_eos`` and ``stop_token_ids``), rejected with a message naming it (OpenAI
 parameters asking for what is not built, and any field not declared here, such as vLLM's ``min_p``), or
@@ -35,11 +35,10 @@ from api.ranges import Integer, WholeNumbers, in_range, stop_schema, text_json_s
 from api.rules import (
     MAX_INPUT_CHARS,
     MAX_STOP_CHARS,
-    MAX_STOP_ITEMS,
     check_text,
     validate_stop,
-    validate_stop_token_ids,
 )
+from api.vllm_fields import FrequencyPenalty, PresencePenalty, StopTokenIds, VllmRepetitionPenalty, VllmTopP
 from common.protocol import ADAPTER_NAME_PATTERN, MediaKind
 
 OPENAI_MAX_STOP = 4  # OpenAI's cap on stop sequences, stricter than the pipeline's
@@ -54,30 +53,6 @@ TOOL_ROLES = ("tool", "function")
 OpenAIFinishReason = Literal["stop", "length"]
 NO_TOOLS: JsonDict = {"maxItems": 0}  # tools and functions: none or []
 NO_TOOL_CHOICE = WithJsonSchema({"enum": ["none", None], "description": "no tool calling: only 'none'"})
-UNSUPPORTED_PENALTY = ("`{field}` is not supported, only 0: this server has no such penalty (its repetition_penalty "
-                       "is a different, multiplicative penalty). Given: {{v}}")
-
-
-# The penalty fields of OpenAI's and vLLM's this server has no such penalty for: only 0, else a message
-PresencePenalty = Annotated[
-    float | None, in_range(UNSUPPORTED_PENALTY.format(field="presence_penalty"), ge=0, le=0)
-]
-FrequencyPenalty = Annotated[
-    float | None, in_range(UNSUPPORTED_PENALTY.format(field="frequency_penalty"), ge=0, le=0)
-]
-
-
-# vLLM's sampling fields, as the OpenAI routes and MindIE's vLLM dialect of /generate take them
-VllmTopP = Annotated[float | None, in_range("`top_p` must be > 0 and <= 1 (1 = off). Given: {v}", gt=0.0, le=1.0)]
-VllmRepetitionPenalty = Annotated[
-    float | None, in_range("`repetition_penalty` must be strictly positive (1 = off). Given: {v}", gt=0.0)
-]
-StopTokenIds = Annotated[
-    list[int] | None,
-    WholeNumbers,
-    Field(json_schema_extra={"items": {"type": "integer", "minimum": 0}, "maxItems": MAX_STOP_ITEMS}),
-    AfterValidator(validate_stop_token_ids),
-]
 
 
 def _unicode_name(value: str, info: ValidationInfo) -> str:

@@ -1,6 +1,6 @@
 """OpenAI-compatible routes under ``/v1``: completions, chat completions (both also as SSE streams) and models.
 
-A thin translation onto :mod:`api.inference`, like :mod:`api.tgi`. Every error is OpenAI's
+A thin translation onto :mod:`api.resolve` and :mod:`api.pipeline`, like :mod:`api.tgi.routes`. Every error is OpenAI's
 ``{"error": {"message", "type", "param", "code"}}``: 400 ``invalid_request_error`` for a bad request
 (OpenAI answers validation errors with 400, not 422), 404 ``model_not_found`` for a ``model`` the pod does
 not serve, 5xx ``server_error`` when generation fails. A failure after a stream started is a last
@@ -30,9 +30,8 @@ from pydantic import BaseModel
 
 from api import adapters
 from api.context import ModelInfo, ServerContext, get_ctx
-from api.errors import OpenApiResponses, ProtocolError, error_route_class
-from api.inference import REST_STATUSES, InferenceRequest, Protocol, generate, new_request_id, resolve, submit
-from api.openai_schemas import (
+from api.errors import REST_STATUSES, OpenApiResponses, PipelineError, Protocol, ProtocolError, error_route_class
+from api.openai.schemas import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -53,7 +52,9 @@ from api.openai_schemas import (
     UnloadLoraAdapterRequest,
     Usage,
 )
-from api.pipeline import PipelineError, QueuedRequest
+from api.pipeline import generate_for, submit_for
+from api.request import InferenceRequest, QueuedRequest, new_request_id
+from api.resolve import resolve
 from api.rules import GREEDY_TEMPERATURE
 from api.sse import event_stream
 from common.protocol import Finish, TokenEvent
@@ -246,7 +247,7 @@ async def _stream(ctx: ServerContext, request: QueuedRequest, shape: Shape, incl
     With ``continuous_usage`` (vLLM's ``continuous_usage_stats``) every chunk carries the usage so far, which
     benchmarks read per token: the prompt as queued (a multimodal prompt's media expand in the worker, so its
     count is exact from the last token's chunk on) and the tokens generated up to the chunk."""
-    submission = await submit(ctx, OPENAI, request)
+    submission = await submit_for(ctx, OPENAI, request)
 
     async def render(events: AsyncIterator[TokenEvent]) -> AsyncIterator[str]:
         so_far = _tally(len(request.input_ids), 0)
@@ -282,7 +283,7 @@ async def _respond(
     """The stream when asked for, else the whole response once generation finishes."""
     if body.stream:
         return await _stream(ctx, request, shape, body.include_usage, body.continuous_usage)
-    result = await generate(ctx, OPENAI, request, http)
+    result = await generate_for(ctx, OPENAI, request, http)
     return JSONResponse(shape.response(result.finish).model_dump())
 
 

@@ -1,8 +1,8 @@
 """Request and response shapes of the KServe v2 / Triton routes, with SPEC.md section 2's rules.
 
 Field rules live on the models (one validator per rule, each message naming its field); rules that need
-the model (vocabulary size) or the server limits live in :mod:`api.inference`; the request's binary
-tensor data is read in :mod:`api.kserve`.
+the model (vocabulary size) or the server limits live in :mod:`api.resolve`; the request's binary
+tensor data is read in :mod:`api.kserve.routes`.
 
 Sampling parameters are accepted in three places, all optional: ``inputs[0].parameters`` (where the seed
 puts them), the request's ``parameters`` object (KServe's place for request parameters, where
@@ -76,7 +76,7 @@ class SamplingParameters(BaseModel):
     _adapter_id = field_validator("adapter_id")(staticmethod(validate_adapter_id))
 
     def request_fields(self) -> dict[str, Any]:
-        """These parameters under the names of the protocol-neutral request (:class:`api.inference.InferenceRequest`),
+        """These parameters under the names of the protocol-neutral request (:class:`api.request.InferenceRequest`),
         each mapped explicitly."""
         return {
             "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "seed": self.seed,

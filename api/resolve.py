@@ -1,126 +1,28 @@
-"""The one protocol-neutral request every adapter builds, and its resolution into a job.
+"""The resolution of the protocol-neutral request (:class:`api.request.InferenceRequest`) into a job.
 
-Adapters (:mod:`api.tgi`, :mod:`api.kserve`, :mod:`api.openai`) only translate: their body becomes an
-:class:`InferenceRequest` (the prompt as text, token ids or chat messages; each sampling field as the client
-sent it, None where unset; protocol flags), and the pipeline's results become their responses. Everything
-between lives here, once: tokenising, chat templates, truncation, the length and vocabulary limits, defaults,
-seeds, request ids, the maxIterTimes cap, and turning a pipeline failure into the protocol's status through
-its :class:`Protocol` (the table each adapter declares beside its error format).
+Adapters only translate: their body becomes an :class:`~api.request.InferenceRequest`, and the pipeline's
+results become their responses. Everything between lives here, once: tokenising, chat templates, truncation,
+the length and vocabulary limits, defaults, seeds, request ids and the maxIterTimes cap, each refusal in the
+protocol's terms through its :class:`api.errors.Protocol` (the table each adapter declares beside its error
+format). :mod:`api.pipeline` then queues the job and maps its failures through the same table.
 """
 
 from __future__ import annotations
 
 import secrets
-import uuid
-from collections.abc import Mapping
-from dataclasses import dataclass
 from functools import partial
-from types import MappingProxyType
-from typing import Any
 
 import anyio
 from jinja2 import TemplateError
-from pydantic import ConfigDict, Field, ValidationError, model_validator
-from starlette.requests import Request
+from pydantic import ValidationError
 
-from api import pipeline
 from api.context import ServerContext
-from api.errors import VALIDATION_PREFIX, ProtocolError
+from api.errors import Protocol
 from api.media import MediaData, MediaRefused, MediaSource
-from api.pipeline import GenerationResult, PipelineError, QueuedRequest, Submission
-from common.protocol import ParameterError, RequestOptions, SamplingParams
+from api.request import InferenceRequest, QueuedRequest, new_request_id
+from common.protocol import ParameterError, SamplingParams
 
 INLINE_TOKENIZE_CHARS = 256  # shorter prompts cost less on the event loop than a thread hop (bench/RESULTS.md)
-DEFAULT_MAX_NEW_TOKENS = 20  # SPEC.md, TGI and KServe routes
-
-
-# The statuses KServe v2 and OpenAI both give each pipeline failure: 400 a bad request, 500 a failed generation,
-# 503 retry later, 499 (nginx's) a client that left. TGI's differ (api/tgi.py).
-REST_STATUSES: Mapping[str, int] = MappingProxyType({
-    "validation": 400,
-    "generation": 500,
-    "incomplete_generation": 500,
-    "overloaded": 503,
-    "unavailable": 503,
-    "stopping": 503,
-    "client_disconnected": 499,
-})
-
-
-@dataclass(frozen=True)
-class Protocol:
-    """What differs between protocols once a body is translated: the status of each pipeline failure
-    (``validation`` included) and the few rules their specs set differently."""
-
-    statuses: Mapping[str, int]
-    # A prompt over the token limit: the message ({field}, {limit}, {count}) and its machine-readable code.
-    too_long: str = "`{field}` must have at most {limit} tokens. Given: {count}"
-    too_long_code: str = "validation"
-    # KServe (SPEC.md section 2): top_k >= the vocabulary and max_new_tokens > maxIterTimes are errors;
-    # elsewhere top_k is clamped to the vocabulary and max_new_tokens capped at maxIterTimes.
-    strict_limits: bool = False
-    # An unset top_k: the model's default (generation_config.json, then config.json), or off.
-    model_default_top_k: bool = True
-
-    def invalid(self, message: str, field: str | None = None, code: str = "validation") -> ProtocolError:
-        """A request this protocol refuses, with its validation status and the field at fault."""
-        return ProtocolError(self.statuses["validation"], VALIDATION_PREFIX + message, code, field)
-
-    def failure(self, exc: PipelineError) -> ProtocolError:
-        """A pipeline failure with this protocol's status for its type (500 when it has none), and the
-        validation prefix on a validation failure (a request id already in flight)."""
-        message = VALIDATION_PREFIX + exc.message if exc.error_type == "validation" else exc.message
-        return ProtocolError(self.statuses.get(exc.error_type, 500), message, exc.error_type)
-
-
-class InferenceRequest(RequestOptions):
-    """One request as every adapter translates it, before :func:`resolve`. Exactly one of ``text``,
-    ``token_ids``, ``messages`` and ``parts`` is the prompt; ``prompt_field`` names it in errors. Sampling fields
-    are as sent (None: unset), already in the pipeline's meaning (e.g. top_k 0 is off); the
-    :class:`~common.protocol.RequestOptions` go to the engines as they are."""
-
-    model_config = ConfigDict(frozen=True)
-
-    request_id: str | None = Field(None, description="the client's id; None: a new one")
-    prompt_field: str
-    text: str | None = None
-    token_ids: list[int] | None = None
-    messages: list[dict[str, Any]] | None = Field(
-        None, description="chat messages, rendered with the chat template; a content is a text, or (media) parts"
-    )
-    parts: list[str | MediaSource] | None = Field(
-        None, description="a multimodal prompt: texts and media items, in the order the model sees them"
-    )
-    truncate: int | None = Field(None, description="keep only the prompt's last tokens")
-    do_sample: bool = False
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    typical_p: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    max_new_tokens: int | None = None
-    default_max_new_tokens: int | None = Field(DEFAULT_MAX_NEW_TOKENS, description="when unset; None: maxIterTimes")
-    stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
-    ignore_eos: bool = False
-
-    @property
-    def media_sources(self) -> list[MediaSource]:
-        """The prompt's media items, in the order the model sees them."""
-        parts = self.parts or [part for message in self.messages or () if isinstance(message["content"], list)
-                               for part in message["content"]]
-        return [part for part in parts if isinstance(part, MediaSource)]
-
-    @model_validator(mode="after")
-    def _one_prompt(self) -> InferenceRequest:
-        if sum(p is not None for p in (self.text, self.token_ids, self.messages, self.parts)) != 1:
-            raise ValueError("a request has exactly one prompt: text, token ids, messages or parts")
-        return self
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex
 
 
 def random_seed() -> int:
@@ -283,21 +185,3 @@ def _sampling(ctx: ServerContext, protocol: Protocol, request: InferenceRequest)
         field = ".".join(map(str, error["loc"]))
         raise protocol.invalid(f"`{field}`: {error['msg']}. Given: {error['input']}", field) from None
 
-
-async def generate(
-    ctx: ServerContext, protocol: Protocol, request: QueuedRequest, client: Request
-) -> GenerationResult:
-    """Run the request to completion (:func:`api.pipeline.generate`); a failure as the protocol's error."""
-    try:
-        return await pipeline.generate(ctx, request, client)
-    except PipelineError as exc:
-        raise protocol.failure(exc) from None
-
-
-async def submit(ctx: ServerContext, protocol: Protocol, request: QueuedRequest) -> Submission:
-    """Queue the request for a stream (:func:`api.pipeline.submit`); a refusal as the protocol's error, so it
-    answers with a status before the stream starts."""
-    try:
-        return await pipeline.submit(ctx, request)
-    except PipelineError as exc:
-        raise protocol.failure(exc) from None

@@ -1,9 +1,9 @@
-"""Request and response shapes of MindIE's native routes (:mod:`api.mindie`): ``POST /generate`` in vLLM
+"""Request and response shapes of MindIE's native routes (:mod:`api.mindie.routes`): ``POST /generate`` in vLLM
 0.2.6's dialect, ``POST /infer`` and ``/infer_token``, ``POST /v1/tokenizer``.
 
 Field rules live on the models, each message naming its field; rules that need the tokenizer or the server
-limits live in :mod:`api.inference`. ``null`` means unset for every optional field. The ``/infer`` parameters
-are TGI's (:class:`api.tgi_schemas.TGIParameters`, same ranges and wording) plus MindIE's ``priority`` and
+limits live in :mod:`api.resolve`. ``null`` means unset for every optional field. The ``/infer`` parameters
+are TGI's (:class:`api.tgi_format.TGIParameters`, same ranges and wording) plus MindIE's ``priority`` and
 ``timeout``.
 """
 
@@ -13,10 +13,9 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from api.openai_schemas import FrequencyPenalty, PresencePenalty, StopTokenIds, VllmRepetitionPenalty, VllmTopP
 from api.ranges import Integer, WholeNumbers, in_range, stop_schema, text_schema
 from api.rules import MAX_INPUT_CHARS, MAX_STOP_CHARS, MAX_STOP_ITEMS, check_text, check_token_ids, validate_stop
-from api.tgi_schemas import (
+from api.tgi_format import (
     UINT32_MAX_PARAM,
     UINT64_MAX,
     TGIParameters,
@@ -25,6 +24,7 @@ from api.tgi_schemas import (
     null_is_empty,
     null_is_false,
 )
+from api.vllm_fields import FrequencyPenalty, PresencePenalty, StopTokenIds, VllmRepetitionPenalty, VllmTopP
 from common.protocol import FinishReason
 
 MAX_TIMEOUT_SECONDS = 65535  # MindIE's `timeout` parameter: 1 to 65535 s
@@ -167,7 +167,7 @@ class MindIEInferRequest(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={
         "oneOf": [{"required": ["inputs"]}, {"required": ["input_id"]}],
-        # `return_full_text` needs a text prompt (api.mindie's rule)
+        # `return_full_text` needs a text prompt (a rule of api.mindie.routes)
         "if": {"required": ["input_id"]},
         "then": {"properties": {"parameters": {"properties": {"return_full_text": {"enum": [False, None]}}}}},
     })

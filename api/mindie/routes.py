@@ -1,13 +1,13 @@
 """MindIE's native inference routes: ``POST /generate`` in vLLM 0.2.6's dialect, ``POST /infer`` and
 ``/infer_token``, ``POST /v1/tokenizer``.
 
-A thin translation like :mod:`api.tgi`: each body becomes an :class:`api.inference.InferenceRequest`; errors
-are TGI's (``{"error", "error_type"}``, 422 for a bad input), as MindIE answers them.
+A thin translation like :mod:`api.tgi.routes`: each body becomes an :class:`api.request.InferenceRequest`; errors
+are TGI's (``{"error", "error_type"}``, 422 for a bad input: :mod:`api.tgi_format`), as MindIE answers them.
 
-``POST /generate`` is shared with TGI. Its one route here reads the body once and picks the dialect by its
-prompt field (:data:`api.mindie_schemas.GenerateBody`): ``inputs`` is TGI's body, handed to
-:func:`api.tgi.generate_route` (TGI's module keeps its handler and rules); ``prompt`` is vLLM's; both or
-neither is a 422. TGI's router declares no ``/generate`` route of its own.
+``POST /generate`` is shared with TGI. Its one route here (:func:`generate_router`) reads the body once and picks
+the dialect by its prompt field (:data:`api.mindie.schemas.GenerateBody`): ``inputs`` is TGI's body, handed to
+TGI's handler (:func:`api.tgi.routes.generate_route`, which the app wires in: TGI's module keeps its handler and
+rules); ``prompt`` is vLLM's; both or neither is a 422. TGI's router declares no ``/generate`` route of its own.
 
 vLLM dialect: ``{"text": [prompt + completion]}`` as vLLM 0.2.6's api_server answers. Its stream (``stream``:
 true) is vLLM's framing, JSON objects each followed by a NUL byte (not SSE), but each object holds the
@@ -30,17 +30,17 @@ MindIE's status, health and metrics routes (GET), each read from the live worker
 - ``/v2/models/{m}/getSlotCount``: ``{"total_slots", "free_slots", "available_tokens_length"}`` summed over
   the model's live workers (maxBatchSize, minus the requests running; KV tokens free). Unknown model: 404
   ``{"error": "Model X not found.", "error_type": "NotFoundError"}``.
-- ``/v1/status`` and ``/v2/status`` (the same answer): :class:`api.mindie_schemas.StatusResponse`.
+- ``/v1/status`` and ``/v2/status`` (the same answer): :class:`api.mindie.schemas.StatusResponse`.
 - ``/health/timed`` and ``/health/timed-{N}`` (N seconds, 1 to 3600, default 10; anything else is a 422):
   one real one-token generation through the pipeline within N seconds: 200 ``{"status": "healthy"}``, else
   500 ``{"status": "unhealthy", "error"}`` (at once when no worker of the default model is alive). The probe
   is a request like any other: it counts in the metrics. Open without an API key (kubelets send none), so
   bounded: one probe at a time per pod, whose result every caller waiting shares and which answers the calls
   of the next ``timedHealthCacheSeconds`` (:class:`api.context.TimedHealthProbe`).
-- ``/metrics-json``: :class:`api.mindie_schemas.MetricsJsonResponse`, the means read from the pod's
+- ``/metrics-json``: :class:`api.mindie.schemas.MetricsJsonResponse`, the means read from the pod's
   histograms (``collect()``), the counts from the workers' reports.
 
-Every response of these routes, errors included, carries a ``RequestUUID`` header (:func:`_uuid_route_class`):
+Every response of these routes, errors included, carries a ``RequestUUID`` header (:mod:`api.mindie.uuid_route`):
 the pipeline's request id on the inference routes (``x-request-id`` when TGI's ``/generate`` got one), a new
 id on the others.
 """
@@ -50,21 +50,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Annotated, Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Annotated
 
 import orjson
 from fastapi import APIRouter, Depends, Path, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from fastapi.routing import APIRoute
 from starlette.background import BackgroundTask
 
-from api import pipeline, tgi
+from api import pipeline
 from api.context import ProbeResult, ServerContext, get_ctx
-from api.errors import OpenApiResponses, ProtocolError, error_route_class
+from api.errors import OpenApiResponses, PipelineError, ProtocolError
 from api.health import model_states
-from api.inference import InferenceRequest, generate, new_request_id, resolve, submit, tokenize
-from api.mindie_schemas import (
+from api.mindie.schemas import (
     NUL,
     GenerateBody,
     MetricsJsonResponse,
@@ -85,44 +83,34 @@ from api.mindie_schemas import (
     VLLMGenerateRequest,
     VLLMGenerateResponse,
 )
-from api.pipeline import PipelineError, QueuedRequest, Submission, unready_reason
+from api.mindie.uuid_route import MindIERoute
+from api.pipeline import Submission, generate_for, submit_for, unready_reason
+from api.request import InferenceRequest, QueuedRequest, new_request_id
+from api.resolve import resolve, tokenize
 from api.rules import GREEDY_TEMPERATURE
 from api.sse import event_stream
-from api.tgi import TGI, render_tgi_error
-from api.tgi_schemas import TGIGenerateResponse
+from api.tgi_format import (
+    ERROR_RESPONSES,
+    SSE_CONTENT,
+    TGI,
+    RequestIdHeader,
+    TGIErrorResponse,
+    TGIGenerateResponse,
+    TGIRequest,
+    client_request_id,
+)
 from common.cluster import ModelState
 from common.protocol import DEFAULT_PRIORITY, TokenEvent
 
 log = logging.getLogger(__name__)
 
-REQUEST_UUID = "RequestUUID"
 NUL_STREAM = "application/octet-stream"  # vLLM 0.2.6 sets none; its client splits the body on NUL bytes
 DEFAULT_HEALTH_SECONDS = 10  # GET /health/timed
 MAX_HEALTH_SECONDS = 3600
 HEALTH_PROMPT = "hi"
 
 
-def _uuid_route_class(base: type[APIRoute]) -> type[APIRoute]:
-    """``base`` whose routes give each request an id (``request.state.request_uuid``, which a handler may
-    replace by the pipeline's) and answer it in the ``RequestUUID`` header, errors included: the error
-    answers are made inside ``base``'s handler, so they pass here too. Only this router's routes carry it."""
-
-    class MindIERoute(base):  # type: ignore[misc, valid-type]  # mypy takes no base class from a variable
-        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-            handler = super().get_route_handler()
-
-            async def tagged(request: Request) -> Response:
-                request.state.request_uuid = new_request_id()
-                response = await handler(request)
-                response.headers[REQUEST_UUID] = request.state.request_uuid
-                return response
-
-            return tagged
-
-    return MindIERoute
-
-
-router = APIRouter(route_class=_uuid_route_class(error_route_class(render_tgi_error)), tags=["MindIE"])
+router = APIRouter(route_class=MindIERoute, tags=["MindIE"])
 Ctx = Annotated[ServerContext, Depends(get_ctx)]
 
 
@@ -137,26 +125,37 @@ def _timed_out(timeout: int) -> PipelineError:
 # ------------------------------------------------------------------------------- POST /generate
 
 
-@router.post(
-    "/generate",
-    responses={**tgi.ERROR_RESPONSES, 200: {
-        "model": TGIGenerateResponse | VLLMGenerateResponse,
-        "content": {NUL_STREAM: {}},
-        "description": "TGI's answer to an `inputs` body; vLLM 0.2.6's `{\"text\": [prompt + completion]}` to a "
-                       "`prompt` body, or with stream=true its NUL-delimited JSON objects `{\"text\": [delta]}`",
-    }},
-    summary="Generate text: TGI's body (`inputs`) or vLLM 0.2.6's (`prompt`)",
-)
-async def generate_route(
-    body: GenerateBody, ctx: Ctx, http: Request, x_request_id: tgi.RequestIdHeader = None
-) -> Response:
-    """One route, two dialects (see the module's docstring); ``x-request-id`` names the request in both."""
-    request_id = tgi.client_request_id(x_request_id)  # TGI's rule for the header, shared by both dialects
-    if request_id is not None:
-        http.state.request_uuid = request_id
-    if isinstance(body, VLLMGenerateRequest):
-        return await _vllm_generate(ctx, body, http)
-    return await tgi.generate_route(body, ctx, http, http.state.request_uuid)
+TGIGenerate = Callable[[TGIRequest, ServerContext, Request, str | None], Awaitable[Response]]
+"""TGI's answer to a TGI body of ``POST /generate`` (:func:`api.tgi.routes.generate_route`)."""
+
+
+def generate_router(tgi_generate: TGIGenerate) -> APIRouter:
+    """The router of ``POST /generate``: vLLM's bodies answered here, TGI's by ``tgi_generate``, which the app
+    hands in (:func:`api.app.create_app`) so that neither protocol imports the other."""
+    generate = APIRouter(route_class=MindIERoute, tags=["MindIE"])
+
+    @generate.post(
+        "/generate",
+        responses={**ERROR_RESPONSES, 200: {
+            "model": TGIGenerateResponse | VLLMGenerateResponse,
+            "content": {NUL_STREAM: {}},
+            "description": "TGI's answer to an `inputs` body; vLLM 0.2.6's `{\"text\": [prompt + completion]}` to a "
+                           "`prompt` body, or with stream=true its NUL-delimited JSON objects `{\"text\": [delta]}`",
+        }},
+        summary="Generate text: TGI's body (`inputs`) or vLLM 0.2.6's (`prompt`)",
+    )
+    async def generate_route(
+        body: GenerateBody, ctx: Ctx, http: Request, x_request_id: RequestIdHeader = None
+    ) -> Response:
+        """One route, two dialects (see the module's docstring); ``x-request-id`` names the request in both."""
+        request_id = client_request_id(x_request_id)  # TGI's rule for the header, shared by both dialects
+        if request_id is not None:
+            http.state.request_uuid = request_id
+        if isinstance(body, VLLMGenerateRequest):
+            return await _vllm_generate(ctx, body, http)
+        return await tgi_generate(body, ctx, http, http.state.request_uuid)
+
+    return generate
 
 
 def vllm_inference_request(body: VLLMGenerateRequest, request_id: str) -> InferenceRequest:
@@ -185,9 +184,9 @@ def vllm_inference_request(body: VLLMGenerateRequest, request_id: str) -> Infere
 async def _vllm_generate(ctx: ServerContext, body: VLLMGenerateRequest, http: Request) -> Response:
     request = await resolve(ctx, TGI, vllm_inference_request(body, http.state.request_uuid))
     if not body.stream:
-        result = await generate(ctx, TGI, request, http)
+        result = await generate_for(ctx, TGI, request, http)
         return JSONResponse(VLLMGenerateResponse(text=[body.prompt + result.finish.generated_text]).model_dump())
-    submission = await submit(ctx, TGI, request)
+    submission = await submit_for(ctx, TGI, request)
     return StreamingResponse(_nul_stream(submission), media_type=NUL_STREAM,
                              background=BackgroundTask(submission.close))  # in case the body never ran
 
@@ -226,8 +225,8 @@ def _full_text(body: MindIEInferRequest, generated: str) -> str:
 
 
 INFER_RESPONSES: OpenApiResponses = {
-    **tgi.ERROR_RESPONSES,
-    200: {"model": MindIEInferResponse, **tgi.SSE_CONTENT,
+    **ERROR_RESPONSES,
+    200: {"model": MindIEInferResponse, **SSE_CONTENT,
           "description": "the generation, or with stream=true an SSE stream of MindIEStreamResponse events"},
 }
 
@@ -242,7 +241,7 @@ async def infer(body: MindIEInferRequest, ctx: Ctx, http: Request) -> Response:
         return await _infer_stream(ctx, body, request, deadline)
     try:
         async with asyncio.timeout_at(deadline):
-            result = await generate(ctx, TGI, request, http)
+            result = await generate_for(ctx, TGI, request, http)
     except TimeoutError:
         assert timeout is not None
         raise TGI.failure(_timed_out(timeout)) from None
@@ -264,7 +263,7 @@ async def _infer_stream(
 ) -> Response:
     """Queue first (a refusal answers with a status), then one SSE event per token."""
     queued_at = time.monotonic()
-    submission = await submit(ctx, TGI, request)
+    submission = await submit_for(ctx, TGI, request)
 
     async def render(events: AsyncIterator[TokenEvent]) -> AsyncIterator[str]:
         last, first, iterator = queued_at, True, aiter(events)
@@ -298,7 +297,7 @@ async def _infer_stream(
 # ------------------------------------------------------------------------------- POST /v1/tokenizer
 
 
-@router.post("/v1/tokenizer", response_model=TokenizeResponse, responses={422: tgi.ERROR_RESPONSES[422]},
+@router.post("/v1/tokenizer", response_model=TokenizeResponse, responses={422: ERROR_RESPONSES[422]},
              summary="Tokenize a text with the served model's tokenizer (MindIE)")
 async def tokenizer(body: TokenizeRequest, ctx: Ctx) -> TokenizeResponse:
     ids = await tokenize(ctx, body.inputs)
@@ -308,7 +307,7 @@ async def tokenizer(body: TokenizeRequest, ctx: Ctx) -> TokenizeResponse:
 
 # ------------------------------------------------------------------------------- status, health and metrics
 
-UNAVAILABLE: OpenApiResponses = {503: {"model": tgi.TGIErrorResponse, "description": "Redis is unreachable"}}
+UNAVAILABLE: OpenApiResponses = {503: {"model": TGIErrorResponse, "description": "Redis is unreachable"}}
 
 
 async def _states(ctx: ServerContext) -> dict[str, ModelState]:
@@ -326,7 +325,7 @@ def _kv_free(state: ModelState) -> int:
 @router.get(
     "/v2/models/{model}/getSlotCount",
     response_model=SlotCountResponse,
-    responses={404: {"model": tgi.TGIErrorResponse, "description": "Unknown model"}, **UNAVAILABLE},
+    responses={404: {"model": TGIErrorResponse, "description": "Unknown model"}, **UNAVAILABLE},
     summary="Batch slots and KV tokens of the model's live workers (MindIE)",
 )
 async def slot_count(model: str, ctx: Ctx) -> SlotCountResponse:
@@ -367,7 +366,7 @@ HealthSeconds = Annotated[int, Path(ge=1, le=MAX_HEALTH_SECONDS, description="se
 TIMED_HEALTH_RESPONSES: OpenApiResponses = {
     200: {"model": TimedHealthResponse, "description": "a one-token generation answered in time"},
     500: {"model": TimedHealthResponse, "description": "it failed or did not answer in time"},
-    422: tgi.ERROR_RESPONSES[422],
+    422: ERROR_RESPONSES[422],
 }
 
 

@@ -1,88 +1,56 @@
 """TGI 0.9.4 compatible routes: ``POST /``, ``/generate``, ``/generate_stream``, ``/info``, ``/health``.
 
-A thin translation: the TGI body as an :class:`api.inference.InferenceRequest`, its tokens shaped as TGI
-does; :mod:`api.inference` does the rest.
+A thin translation: the TGI body as an :class:`api.request.InferenceRequest`, its tokens shaped as TGI
+does; :mod:`api.resolve` and :mod:`api.pipeline` do the rest.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import orjson
-from fastapi import APIRouter, Depends, Header, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 
 from api import __version__
 from api.context import ServerContext, get_ctx
-from api.errors import OpenApiResponses, ProtocolError, error_route_class
+from api.errors import PipelineError, error_route_class
 from api.health import HealthResponse, health_response, model_states
-from api.inference import InferenceRequest, Protocol, generate, resolve, submit
-from api.pipeline import GenerationResult, PipelineError, QueuedRequest, unready_reason
-from api.rules import MAX_STOP_ITEMS, REQUEST_ID_PATTERN, REQUEST_ID_REGEX
+from api.pipeline import GenerationResult, generate_for, submit_for, unready_reason
+from api.request import InferenceRequest, QueuedRequest
+from api.resolve import resolve
+from api.rules import MAX_STOP_ITEMS
 from api.sse import event_stream
-from api.tgi_schemas import (
-    InfoModel,
+from api.tgi.schemas import InfoModel, TGIInfo, TGIStreamDetails, TGIStreamResponse, TGIStreamToken
+from api.tgi_format import (
+    ERROR_RESPONSES,
+    SSE_CONTENT,
+    TGI,
+    RequestIdHeader,
     TextItem,
     TGIDetails,
-    TGIErrorResponse,
     TGIGenerateResponse,
-    TGIInfo,
     TGIPrefillToken,
     TGIRequest,
-    TGIStreamDetails,
-    TGIStreamResponse,
-    TGIStreamToken,
     TGIToken,
+    client_request_id,
     prompt_parts,
+    render_tgi_error,
 )
 from common.protocol import TokenEvent
 
 StreamIdFormat = Literal["list", "int"]
 
-
-def render_tgi_error(exc: ProtocolError) -> Response:
-    return JSONResponse({"error": exc.message, "error_type": exc.error_type}, status_code=exc.status)
-
-
 router = APIRouter(route_class=error_route_class(render_tgi_error), tags=["TGI"])
-
-ERROR_RESPONSES: OpenApiResponses = {
-    422: {"model": TGIErrorResponse, "description": "Input validation error"},
-    424: {"model": TGIErrorResponse, "description": "Generation error"},
-    429: {"model": TGIErrorResponse, "description": "Overloaded: queue or connection limit reached"},
-    500: {"model": TGIErrorResponse, "description": "Incomplete generation (timed out)"},
-    503: {"model": TGIErrorResponse, "description": "The server is stopping (stopService)"},
-}
-
-
-# TGI's statuses for each pipeline failure (429, never 503: huggingface_hub retries a 503 forever).
-TGI = Protocol(
-    statuses={
-        "validation": 422,
-        "generation": 424,
-        "unavailable": 424,
-        "overloaded": 429,
-        "stopping": 503,  # stopService: this pod is going away; a retry belongs on another pod
-        "incomplete_generation": 500,
-        "client_disconnected": 499,
-    },
-    too_long="`{field}` must have less than {limit} tokens. Given: {count}",  # TGI's wording
-)
-
-
-def client_request_id(header: str | None) -> str | None:
-    """The client's ``x-request-id`` when well formed (it names the request for cancel/logs); None: a new one."""
-    if header is not None and not REQUEST_ID_PATTERN.match(header):
-        raise TGI.invalid("`x-request-id` must be 1 to 256 characters of letters, digits, '_' or '-'")
-    return header
+Ctx = Annotated[ServerContext, Depends(get_ctx)]
 
 
 async def to_generation_request(
     ctx: ServerContext, body: TGIRequest, request_id: str | None, stream: bool
 ) -> QueuedRequest:
-    """The TGI body as a pipeline request (:func:`api.inference.resolve`)."""
+    """The TGI body as a pipeline request (:func:`api.resolve.resolve`)."""
     params = body.parameters
     if stream and params.decoder_input_details:
         raise TGI.invalid("`decoder_input_details` == true is not supported when streaming tokens",
@@ -121,7 +89,7 @@ async def _respond(
 ) -> Response:
     """The whole generation with TGI's headers: one response, or (``POST /``) a list of one."""
     request = await to_generation_request(ctx, body, request_id, stream=False)
-    result = await generate(ctx, TGI, request, http)
+    result = await generate_for(ctx, TGI, request, http)
     payload = _dump(_generate_response(body, result))
     return JSONResponse([payload] if listed else payload, headers=_headers(request.request_id, result))
 
@@ -182,7 +150,7 @@ async def _stream(
 ) -> EventSourceResponse:
     """Validate and queue first (errors answer with a status), then stream TGI events."""
     request = await to_generation_request(ctx, body, request_id, stream=True)
-    submission = await submit(ctx, TGI, request)
+    submission = await submit_for(ctx, TGI, request)
 
     async def render(events: AsyncIterator[TokenEvent]) -> AsyncIterator[str]:
         text_so_far = ""
@@ -191,11 +159,6 @@ async def _stream(
             yield _stream_event(ctx, body, event, text_so_far, id_format).model_dump_json()
 
     return event_stream(submission, render, _error_event, headers={"x-request-id": request.request_id})
-
-
-SSE_CONTENT: dict[str, Any] = {"content": {"text/event-stream": {}}}  # a stream's 200, beside or instead of JSON
-Ctx = Annotated[ServerContext, Depends(get_ctx)]
-RequestIdHeader = Annotated[str | None, Header(alias="x-request-id", json_schema_extra={"pattern": REQUEST_ID_REGEX})]
 
 
 @router.post(
@@ -213,7 +176,8 @@ async def compat_generate(
     return await _respond(ctx, body, request_id, http, listed=True)
 
 
-# POST /generate: api.mindie's route answers it (it also takes vLLM's dialect) and hands TGI's bodies here.
+# POST /generate: MindIE's route answers it (it also takes vLLM's dialect) and hands TGI's bodies here; the app
+# wires this handler into it (api.mindie.routes.generate_router), so neither protocol imports the other.
 async def generate_route(
     body: TGIRequest, ctx: Ctx, http: Request, x_request_id: RequestIdHeader = None
 ) -> Response:

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible protocol under ``/v1``: its schemas and routes."""
