@@ -32,7 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.context import ServerContext, get_ctx
 from api.errors import ProtocolError, authorized, unauthorized
-from api.mindie.uuid_route import MindIERoute
+from api.mindie_format import MindIERoute
 from api.tgi_format import ERROR_RESPONSES, render_tgi_error
 from common.settings import Settings, effective_config
 

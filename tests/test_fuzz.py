@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from api.app import create_app
 from api.mindie.routes import NUL_STREAM
 from api.mindie.schemas import NUL
-from api.mindie.uuid_route import REQUEST_UUID
+from api.mindie_format import REQUEST_UUID
 from api.openai.schemas import CHAT_ROLES, INT32_MAX, INT64_MAX, INT64_MIN, TOOL_ROLES
 from api.rules import MAX_INPUT_CHARS
 from api.tgi_format import UINT32_MAX_PARAM, UINT64_MAX

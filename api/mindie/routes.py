@@ -40,7 +40,7 @@ MindIE's status, health and metrics routes (GET), each read from the live worker
 - ``/metrics-json``: :class:`api.mindie.schemas.MetricsJsonResponse`, the means read from the pod's
   histograms (``collect()``), the counts from the workers' reports.
 
-Every response of these routes, errors included, carries a ``RequestUUID`` header (:mod:`api.mindie.uuid_route`):
+Every response of these routes, errors included, carries a ``RequestUUID`` header (:mod:`api.mindie_format`):
 the pipeline's request id on the inference routes (``x-request-id`` when TGI's ``/generate`` got one), a new
 id on the others.
 """
@@ -83,7 +83,7 @@ from api.mindie.schemas import (
     VLLMGenerateRequest,
     VLLMGenerateResponse,
 )
-from api.mindie.uuid_route import MindIERoute
+from api.mindie_format import MindIERoute
 from api.pipeline import Submission, generate_for, submit_for, unready_reason
 from api.request import InferenceRequest, QueuedRequest, new_request_id
 from api.resolve import resolve, tokenize

@@ -1,7 +1,7 @@
 """MindIE's route class: each response of MindIE's routes (:mod:`api.mindie.routes`, and the administration
 routes of :mod:`api.admin`), errors included, carries a ``RequestUUID`` header, and errors are TGI's
-(:func:`api.tgi_format.render_tgi_error`). A module of its own, so that the administration routes need not
-import MindIE's inference routes."""
+(:func:`api.tgi_format.render_tgi_error`). Beside the protocols, as :mod:`api.tgi_format` is, so that the
+administration routes need not import MindIE's inference routes."""
 
 from __future__ import annotations
 
