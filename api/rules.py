@@ -1,12 +1,15 @@
 """The request rules every protocol's schemas share (SPEC.md's limits on text, token ids, stop sequences,
-request ids and adapter names): plain checks on values, so that the schemas depend on them alone and not on the
-pipeline that queues the request."""
+request ids and adapter names; structured outputs' constraints, compiled once to be checked): plain checks on
+values, so that the schemas depend on them alone and not on the pipeline that queues the request."""
 
 from __future__ import annotations
 
+import json
 import re
+from typing import Any
 
-from common.protocol import ADAPTER_NAME_PATTERN, ADAPTER_NAME_RULE
+from common.constraints import ConstraintError, grammar
+from common.protocol import ADAPTER_NAME_PATTERN, ADAPTER_NAME_RULE, Constraint
 
 GREEDY_TEMPERATURE = 1e-5  # vLLM's threshold, on its OpenAI and vLLM-dialect routes: a lower temperature is greedy
 REQUEST_ID_REGEX = r"^[a-zA-Z0-9_-]{1,256}$"  # a client's request id (KServe `id`, TGI `x-request-id`)
@@ -69,3 +72,37 @@ def validate_stop(value: list[str] | str | None) -> list[str]:
     if total > MAX_STOP_TOTAL_CHARS:
         raise ValueError(f"`stop` sequences must total at most {MAX_STOP_TOTAL_CHARS} characters. Given: {total}")
     return stops
+
+
+ANY_JSON_OBJECT = '{"type": "object"}'  # OpenAI's json_object, vLLM's json_object: any JSON object
+
+
+def checked_constraint(field: str, constraint: Constraint) -> Constraint:
+    """A constraint the engines can enforce, checked before the request is queued: a schema, regex, choice
+    list or grammar that does not compile is the client's error, named by ``field``."""
+    try:
+        grammar(constraint)
+    except ConstraintError as exc:
+        raise ValueError(f"`{field}` does not compile: {exc}") from None
+    return constraint
+
+
+def constraint_of(field: str, kind: str, value: Any) -> Constraint:
+    """A constraint field's value as a :class:`Constraint`, by its kind: ``json`` (a JSON schema object or its
+    JSON text, as vLLM takes it), ``regex``, ``choice`` (strings) or ``grammar`` (Lark or GBNF). Its shape is
+    checked here; :func:`checked_constraint` compiles it."""
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"`{field}` must be a JSON schema: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"`{field}` must be a JSON schema (an object). Given: {value!r}")
+        return Constraint(format="json_schema", value=json.dumps(value))
+    if kind == "choice":
+        if not value:
+            raise ValueError(f"`{field}` must hold at least one choice")
+        choices = [check_text(f"{field}[{i}]", choice) for i, choice in enumerate(value)]
+        return Constraint(format="choice", value=json.dumps(choices))
+    return Constraint(format="regex" if kind == "regex" else "grammar", value=check_text(field, value))

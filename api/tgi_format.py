@@ -25,10 +25,12 @@ from api.rules import (
     REQUEST_ID_PATTERN,
     REQUEST_ID_REGEX,
     check_text,
+    checked_constraint,
+    constraint_of,
     validate_adapter_id,
     validate_stop,
 )
-from common.protocol import ADAPTER_NAME_PATTERN, FinishReason, MediaKind
+from common.protocol import ADAPTER_NAME_PATTERN, Constraint, FinishReason, MediaKind
 
 UINT32_MAX_PARAM = 2147483647
 UINT64_MAX = 2**64 - 1
@@ -41,6 +43,32 @@ def _null_allowed(schema: dict[str, Any]) -> None:
     branch = dict(schema)
     schema.clear()
     schema.update(anyOf=[branch, {"type": "null"}], **kept)
+
+
+class TGIGrammar(BaseModel):
+    """``parameters.grammar`` (TGI >= 1.4.3, huggingface_hub's ``grammar=``): the output matches a JSON schema
+    (``json``: the schema, or its JSON text; ``json_schema``: ``{"name", "schema"}``) or a regex."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra={"oneOf": [
+        {"properties": {"type": {"const": "json"}, "value": {"type": ["object", "string"]}}},
+        {"properties": {"type": {"const": "regex"}, "value": {"type": "string"}}},
+        {"properties": {"type": {"const": "json_schema"}, "value": {
+            "type": "object", "properties": {"schema": {"type": "object"}}, "required": ["schema"]}}},
+    ]})
+
+    type: Literal["json", "regex", "json_schema"]
+    value: Any
+
+    def constraint(self) -> Constraint:
+        """The constraint, its shape checked (:func:`api.rules.checked_constraint` compiles it)."""
+        value = self.value
+        if self.type == "json_schema":
+            if not isinstance(value, dict) or not isinstance(value.get("schema"), dict):
+                raise ValueError("`grammar` of type 'json_schema' takes a value with a `schema` object")
+            value = value["schema"]
+        if self.type == "regex" and not isinstance(value, str):
+            raise ValueError(f"`grammar` of type 'regex' takes a string value. Given: {value!r}")
+        return constraint_of("grammar", "regex" if self.type == "regex" else "json", value)
 
 
 class TGIParameters(BaseModel):
@@ -91,6 +119,14 @@ class TGIParameters(BaseModel):
     stop: Annotated[list[str] | str | None, stop_schema(MAX_STOP_ITEMS, MAX_STOP_CHARS)] = None
     adapter_id: str | None = Field(None, json_schema_extra={"pattern": ADAPTER_NAME_PATTERN},
                                    description="the LoRA adapter to run with; \"None\" (the default): the base model")
+    grammar: TGIGrammar | None = Field(None, description="what the output must match (structured outputs)")
+
+    @field_validator("grammar")
+    @classmethod
+    def _grammar_compiles(cls, v: TGIGrammar | None) -> TGIGrammar | None:
+        if v is not None:
+            checked_constraint("grammar", v.constraint())
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -107,6 +143,7 @@ class TGIParameters(BaseModel):
             "repetition_penalty": self.repetition_penalty, "seed": self.seed, "max_new_tokens": self.max_new_tokens,
             "do_sample": self.sampling, "truncate": self.truncate, "stop": self.stop or [],
             "decoder_input_details": bool(self.decoder_input_details), "adapter": self.adapter_id,
+            "constraint": None if self.grammar is None else self.grammar.constraint(),
         }
 
     @property

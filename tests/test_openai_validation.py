@@ -204,7 +204,24 @@ SHARED_RULES = [
     ("min_p", 0.1, "min_p", "`min_p` is not a supported parameter"),
     ("use_beam_search", True, "use_beam_search", "`use_beam_search` is not a supported parameter"),
     ("include_stop_str_in_output", False, "include_stop_str_in_output", "is not a supported parameter"),
-    ("guided_json", {"type": "object"}, "guided_json", "`guided_json` is not a supported parameter"),
+    # structured outputs: checked before anything is queued, one way at a time
+    ("guided_json", {"type": 5}, "guided_json", "`guided_json` does not compile: type must be a string"),
+    ("guided_json", "{not json", "guided_json", "`guided_json` must be a JSON schema: Expecting property name"),
+    ("guided_json", [1], "guided_json", "`guided_json`: Input should be a valid dictionary"),
+    ("guided_regex", "[0-9+", "guided_regex", "`guided_regex` does not compile: "),
+    ("guided_choice", [], "guided_choice", "`guided_choice` must hold at least one choice"),
+    ("guided_grammar", "root ::= (", "guided_grammar", "`guided_grammar` does not compile: "),
+    ("structured_outputs", {"regex": "a", "choice": ["b"]}, "structured_outputs",
+     "`structured_outputs` takes one constraint. Given: regex, choice"),
+    ("structured_outputs", {"whitespace_pattern": " "}, "structured_outputs.whitespace_pattern",
+     "`structured_outputs.whitespace_pattern` is not a supported parameter"),
+    ("structured_outputs", {"json": {"type": "nope"}}, "structured_outputs", "`structured_outputs` does not compile"),
+    ("response_format", {"type": "xml"}, "response_format.type", "`response_format.type`: Input should be 'text', "
+     "'json_object' or 'json_schema'"),
+    ("response_format", {"type": "json_schema"}, "response_format",
+     "`response_format.json_schema` is required with type 'json_schema'"),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 1}}},
+     "response_format", "`response_format` does not compile"),
     ("unknown_field", None, "unknown_field", "`unknown_field` is not a supported parameter"),
 ]
 
@@ -334,9 +351,6 @@ CHAT_RULES = [
     ("max_completion_tokens", 0, "max_completion_tokens", "`max_completion_tokens` must be strictly positive"),
     ("logprobs", True, "logprobs", "`logprobs` is not supported yet, only false"),
     ("top_logprobs", 2, "top_logprobs", "`top_logprobs` is not supported yet"),
-    ("response_format", {"type": "json_object"}, "response_format",
-     "`response_format.type` is not supported, only 'text'. Given: 'json_object'"),
-    ("response_format", {"type": "json_schema", "json_schema": {}}, "response_format", "only 'text'"),
     ("tools", [{"type": "function", "function": {"name": "f"}}], "tools",
      "`tools` is not supported: this server has no tool calling"),
     ("tool_choice", "auto", "tool_choice", "`tool_choice` is not supported, only 'none'"),
@@ -349,6 +363,48 @@ CHAT_RULES = [
 @pytest.mark.parametrize(("field", "value", "param", "fragment"), CHAT_RULES)
 def test_chat_rules(chat_client: TestClient, field: str, value: Any, param: str, fragment: str) -> None:
     assert_openai_error(post(chat_client, CHAT, chat_body(**{field: value})), 400, fragment, param)
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+CONSTRAINTS = [  # each way a client asks for structured outputs, and the constraint the job carries
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, ("json_schema", {"type": "object"})),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}},
+     ("json_schema", SCHEMA)),
+    ({"structured_outputs": {"json": SCHEMA}}, ("json_schema", SCHEMA)),
+    ({"structured_outputs": {"json": json.dumps(SCHEMA)}}, ("json_schema", SCHEMA)),
+    ({"structured_outputs": {"json_object": True}}, ("json_schema", {"type": "object"})),
+    ({"structured_outputs": {"regex": "[0-9]{3}"}}, ("regex", "[0-9]{3}")),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, ("choice", ["yes", "no"])),
+    ({"structured_outputs": {"grammar": 'root ::= "a" | "b"'}}, ("grammar", 'root ::= "a" | "b"')),
+    ({"guided_json": SCHEMA}, ("json_schema", SCHEMA)),
+    ({"guided_regex": "[a-z]+"}, ("regex", "[a-z]+")),
+    ({"guided_choice": ["x"]}, ("choice", ["x"])),
+    ({"guided_grammar": 'start: "a"'}, ("grammar", 'start: "a"')),
+]
+
+
+@pytest.mark.parametrize("route", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize(("fields", "expected"), CONSTRAINTS)
+def test_structured_outputs_reach_the_job(
+    chat_client: TestClient, stand_in_worker: list[QueuedRequest], route: str, fields: dict[str, Any],
+    expected: tuple[str, Any] | None,
+) -> None:
+    body = completion_body(**fields) if route == COMPLETIONS else chat_body(**fields)
+    assert post(chat_client, route, body).status_code == 200
+    constraint = stand_in_worker[0].constraint
+    if expected is None:
+        assert constraint is None
+        return
+    assert constraint is not None and constraint.format == expected[0]
+    value = constraint.value if expected[0] in ("regex", "grammar") else json.loads(constraint.value)
+    assert value == expected[1]
+
+
+def test_one_constraint_at_a_time(chat_client: TestClient) -> None:
+    body = chat_body(guided_regex="a", response_format={"type": "json_object"})
+    assert_openai_error(post(chat_client, CHAT, body), 400, "the output takes one constraint. Given: response_format, "
+                        "guided_regex")
 
 
 def test_max_tokens_and_max_completion_tokens_must_agree(chat_client: TestClient) -> None:

@@ -56,6 +56,11 @@ UNSTATED_RULES = (
     # document keeps SPEC.md's ranges, and temperature's floor depends on do_sample
     "the engines compute in float32",
     "the engines divide logits by it",
+    # structured outputs: a schema, regex or grammar must compile, a JSON text hold a schema, and one constraint
+    # at most be given (common.constraints)
+    "does not compile: ",
+    "must be a JSON schema",
+    "takes one constraint",
 )
 
 

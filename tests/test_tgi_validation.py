@@ -284,6 +284,11 @@ def test_token_limit_never_exceeds_1_mi(tiny_model_path, model_variant):
 
 RULE_REJECTIONS = [
     # (field, value, fragment of the message); TGI's validation.rs wording where the rule is the same
+    ("grammar", {"type": "regex", "value": "[0-9+"}, "does not compile"),
+    ("grammar", {"type": "regex", "value": 5}, "of type 'regex' takes a string value"),
+    ("grammar", {"type": "json", "value": {"type": 7}}, "does not compile"),
+    ("grammar", {"type": "json", "value": "{nope"}, "must be a JSON schema"),
+    ("grammar", {"type": "json_schema", "value": {"name": "x"}}, "takes a value with a `schema` object"),
     ("max_new_tokens", 0, "must be strictly positive"),
     ("max_new_tokens", -1, "must be strictly positive"),
     ("max_new_tokens", U32_MAX + 1, "Given: 2147483648"),
@@ -356,6 +361,24 @@ def test_stream_rejection_is_plain_json_before_the_stream(client, route):
 
 
 # ------------------------------------------------------------------------------- accepted edges (resolved)
+
+
+GRAMMARS = [  # TGI's grammar parameter and the constraint the job carries
+    ({"type": "json", "value": {"type": "object"}}, "json_schema", {"type": "object"}),
+    ({"type": "json", "value": '{"type": "integer"}'}, "json_schema", {"type": "integer"}),
+    ({"type": "json_schema", "value": {"name": "n", "schema": {"type": "boolean"}}}, "json_schema",
+     {"type": "boolean"}),
+    ({"type": "regex", "value": "[a-z]{2}"}, "regex", "[a-z]{2}"),
+]
+
+
+@pytest.mark.parametrize(("grammar", "kind", "value"), GRAMMARS)
+async def test_a_grammar_reaches_the_job(ctx, grammar, kind, value):
+    constraint = (await resolve(ctx, body_with(grammar=grammar))).constraint
+    assert constraint is not None and constraint.format == kind
+    assert (constraint.value if kind == "regex" else json.loads(constraint.value)) == value
+    assert (await resolve(ctx, body_with())).constraint is None
+
 
 
 async def test_defaults_are_resolved(ctx, text_ids):

@@ -139,6 +139,7 @@ def _inference_request(body: SamplingRequest, request_id: str, max_tokens: int |
         stop_token_ids=body.stop_token_ids or [],
         ignore_eos=bool(body.ignore_eos),
         user=body.user,
+        constraint=body.constraint,
     )
 
 

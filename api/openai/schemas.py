@@ -20,6 +20,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     ValidationInfo,
     ValidatorFunctionWrapHandler,
@@ -33,13 +34,16 @@ from pydantic.json_schema import JsonDict
 from api.media import MediaSource
 from api.ranges import Integer, WholeNumbers, in_range, stop_schema, text_json_schema
 from api.rules import (
+    ANY_JSON_OBJECT,
     MAX_INPUT_CHARS,
     MAX_STOP_CHARS,
     check_text,
+    checked_constraint,
+    constraint_of,
     validate_stop,
 )
 from api.vllm_fields import FrequencyPenalty, PresencePenalty, StopTokenIds, VllmRepetitionPenalty, VllmTopP
-from common.protocol import ADAPTER_NAME_PATTERN, MediaKind
+from common.protocol import ADAPTER_NAME_PATTERN, Constraint, MediaKind
 
 OPENAI_MAX_STOP = 4  # OpenAI's cap on stop sequences, stricter than the pipeline's
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -91,6 +95,80 @@ class StreamOptions(BaseModel):
         None, description="vLLM's: with include_usage, every chunk also carries the usage so far (else ignored)")
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: the schema the answer must match (always enforced, ``strict`` or not)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+    name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema",
+                                    description="the JSON schema; empty or absent: any JSON value")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON matching a schema."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra={
+        "if": {"properties": {"type": {"const": "json_schema"}}},
+        "then": {"required": ["json_schema"], "properties": {"json_schema": {"not": {"type": "null"}}}},
+    })
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("`response_format.json_schema` is required with type 'json_schema'")
+        return self
+
+    def constraint(self) -> Constraint | None:
+        """The constraint it asks for; None for text."""
+        if self.json_schema is not None and self.type == "json_schema":
+            return constraint_of("response_format.json_schema.schema", "json", self.json_schema.schema_ or {})
+        return constraint_of("response_format", "json", ANY_JSON_OBJECT) if self.type == "json_object" else None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: one of a JSON schema, any JSON object, a regex, a choice list or a grammar
+    (Lark or GBNF)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON schema, or its JSON text")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = Field(None, json_schema_extra={"minItems": 1})
+    grammar: str | None = None
+
+    @property
+    def _given(self) -> dict[str, tuple[str, Any]]:
+        """The constraints given: each field's name, with its kind and value."""
+        any_object = ANY_JSON_OBJECT if self.json_object else None
+        return {name: (kind, value) for name, kind, value in (
+            ("json", "json", self.json_), ("regex", "regex", self.regex), ("choice", "choice", self.choice),
+            ("grammar", "grammar", self.grammar), ("json_object", "json", any_object),
+        ) if value is not None}
+
+    @model_validator(mode="after")
+    def _one(self) -> StructuredOutputs:
+        if len(self._given) > 1:
+            raise ValueError(f"`structured_outputs` takes one constraint. Given: {', '.join(self._given)}")
+        return self
+
+    def constraint(self) -> Constraint | None:
+        """The constraint it asks for; None when it asks for none."""
+        return next((constraint_of(f"structured_outputs.{name}", kind, value)
+                     for name, (kind, value) in self._given.items()), None)
+
+
+# vLLM's older names of its structured outputs, which existing clients still send, with their kinds
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+
+
 class SamplingRequest(BaseModel):
     """The fields ``/v1/completions`` and ``/v1/chat/completions`` share; any other field is rejected."""
 
@@ -135,6 +213,14 @@ class SamplingRequest(BaseModel):
         in_range("`min_tokens` is not supported yet, only 0 (EOS may end the output at any length). Given: {v}",
                  ge=0, le=0),
     ] = None
+    # structured outputs: OpenAI's, vLLM's, and vLLM's older fields (at most one of them)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, json_schema_extra={"minItems": 1})
+    guided_grammar: str | None = None
+    _constraint: Constraint | None = PrivateAttr(None)
 
     @field_validator("stop")
     @classmethod
@@ -158,6 +244,42 @@ class SamplingRequest(BaseModel):
         if v is not None and not info.data.get("stream"):
             raise ValueError("`stream_options` is only allowed when `stream` is true")
         return v
+
+    @field_validator("response_format", "structured_outputs")
+    @classmethod
+    def _compiles(cls, v: ResponseFormat | StructuredOutputs | None, info: ValidationInfo) -> Any:
+        """The constraint asked for compiles (a 400 naming the field, nothing queued)."""
+        if v is not None and (constraint := v.constraint()) is not None:
+            assert info.field_name is not None  # a field validator's
+            checked_constraint(info.field_name, constraint)
+        return v
+
+    @field_validator(*GUIDED_FIELDS)
+    @classmethod
+    def _guided_compiles(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None:
+            assert info.field_name is not None  # a field validator's
+            checked_constraint(info.field_name, constraint_of(info.field_name, GUIDED_FIELDS[info.field_name], v))
+        return v
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> SamplingRequest:
+        """At most one way of constraining the output."""
+        given = {name: constraint for name, constraint in (
+            ("response_format", None if self.response_format is None else self.response_format.constraint()),
+            ("structured_outputs", None if self.structured_outputs is None else self.structured_outputs.constraint()),
+            *((name, None if value is None else constraint_of(name, kind, value))
+              for name, kind in GUIDED_FIELDS.items() for value in (getattr(self, name),)),
+        ) if constraint is not None}
+        if len(given) > 1:
+            raise ValueError(f"the output takes one constraint. Given: {', '.join(given)}")
+        self._constraint = next(iter(given.values()), None)
+        return self
+
+    @property
+    def constraint(self) -> Constraint | None:
+        """What the output must match (structured outputs), checked; None: free text."""
+        return self._constraint
 
     @property
     def include_usage(self) -> bool:
@@ -310,12 +432,6 @@ class ChatMessage(BaseModel):
         return message
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    type: str = Field(json_schema_extra={"enum": ["text"]})
-
-
 class ChatCompletionRequest(SamplingRequest):
     """Body of ``POST /v1/chat/completions``."""
 
@@ -325,7 +441,6 @@ class ChatCompletionRequest(SamplingRequest):
     ] = None
     logprobs: bool | None = Field(None, json_schema_extra={"enum": [False, None]}, description="only false")
     top_logprobs: Integer | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 0}, description="only 0")
-    response_format: ResponseFormat | None = None
     tools: list[Any] | None = Field(None, json_schema_extra=NO_TOOLS, description="no tool calling")
     tool_choice: Annotated[str | dict[str, Any] | None, NO_TOOL_CHOICE] = None
     functions: list[Any] | None = Field(None, json_schema_extra=NO_TOOLS, description="no tool calling")
@@ -374,13 +489,6 @@ class ChatCompletionRequest(SamplingRequest):
     def _top_logprobs(cls, v: int | None) -> int | None:
         if v:
             raise _unsupported("top_logprobs", v, "is not supported yet")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _response_format(cls, v: ResponseFormat | None) -> ResponseFormat | None:
-        if v is not None and v.type != "text":
-            raise _unsupported("response_format.type", v.type, "is not supported, only 'text'")
         return v
 
     @field_validator("tools", "functions")
