@@ -8,12 +8,16 @@ tests' chat template by the ``CHAT_TEMPLATE`` setting (a file), as ``--chat-temp
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, Literal
 
 import httpx
 import pytest
 from huggingface_hub import InferenceClient
+from pydantic import BaseModel, ConfigDict
 from transformers import AutoTokenizer
 
 import openai
@@ -281,3 +285,53 @@ def test_chat_stop_string_is_excluded(chat_stack: Stack, chat_prompt: str) -> No
     )
     assert completion.choices[0].message.content == full[: full.index(stop)]
     assert completion.choices[0].finish_reason == "stop"
+
+
+# ------------------------------------------------------------------------------------------ structured outputs
+# The tiny model's text is random: what these check is what the constraint guarantees.
+
+
+class Verdict(BaseModel):
+    """A schema whose every value is bounded (an enum, a boolean), so that a random model ends it soon."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    answer: Literal["yes", "no", "maybe"]
+    sure: bool
+
+
+def test_openai_parse_returns_the_schema_s_object(chat_stack: Stack) -> None:
+    """``client.chat.completions.parse(response_format=Model)``: the answer parses as the model, streamed too."""
+    client = client_for(chat_stack)
+    for temperature in (0, 1):
+        completion = client.chat.completions.parse(model=chat_stack.model_name, messages=MESSAGES,
+                                                   response_format=Verdict, max_tokens=64, temperature=temperature)
+        [choice] = completion.choices
+        assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Verdict), choice.message.content
+    with client.chat.completions.stream(model=chat_stack.model_name, messages=MESSAGES, response_format=Verdict,
+                                        max_tokens=64, temperature=1) as stream:
+        final = stream.get_final_completion()
+    assert isinstance(final.choices[0].message.parsed, Verdict)
+
+
+@pytest.mark.parametrize(("extra", "matches"), [
+    ({"guided_regex": "[0-9]{3}-[a-z]{2}"}, re.compile(r"[0-9]{3}-[a-z]{2}").fullmatch),
+    ({"structured_outputs": {"choice": ["red", "green", "blue"]}}, {"red", "green", "blue"}.__contains__),
+    ({"guided_grammar": 'root ::= "a" | "b" "c"'}, {"a", "bc"}.__contains__),
+    ({"response_format": {"type": "json_object"}}, lambda text: isinstance(json.loads(text), dict)),
+])
+def test_completions_keep_their_constraint(stack: Stack, extra: dict[str, Any], matches: Any) -> None:
+    """A regex, a choice list, a grammar and any JSON object hold on /v1/completions, greedy and sampled."""
+    client = client_for(stack)
+    for temperature in (0, 1):
+        completion = client.completions.create(model=stack.model_name, prompt=PROMPT, max_tokens=48,
+                                               temperature=temperature, seed=7, extra_body=extra)
+        [choice] = completion.choices
+        assert choice.finish_reason == "stop" and matches(choice.text), choice.text
+
+
+def test_a_constraint_that_does_not_compile_is_a_400(stack: Stack) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client_for(stack).completions.create(model=stack.model_name, prompt=PROMPT, max_tokens=4,
+                                             extra_body={"guided_regex": "[0-9"})
+    assert refused.value.status_code == 400 and "`guided_regex` does not compile" in str(refused.value)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 import torch
 from huggingface_hub import InferenceClient
@@ -215,3 +218,22 @@ def test_validation_error_before_stream_starts(stack: Stack) -> None:
     assert resp.status_code == 422
     assert resp.json()["error_type"] == "validation"
     assert "top_p" in resp.json()["error"]
+
+
+GRADE = {"type": "object", "properties": {"grade": {"enum": ["A", "B", "C"]}, "passed": {"type": "boolean"}},
+         "required": ["grade", "passed"], "additionalProperties": False}
+
+
+def test_huggingface_hub_grammar(stack: Stack) -> None:
+    """``text_generation(grammar=...)`` (TGI >= 1.4.3's parameter): a JSON schema and a regex hold, sampled and
+    streamed too; the tiny model's text is random, so the constraint is what makes them hold."""
+    client = InferenceClient(model=stack.base_url, timeout=60)
+    schema = {"type": "json", "value": GRADE}
+    for do_sample in (False, True):
+        text = client.text_generation(PROMPT, max_new_tokens=48, grammar=schema, do_sample=do_sample, seed=3)
+        jsonschema.validate(json.loads(text), GRADE)
+    streamed = "".join(client.text_generation(PROMPT, max_new_tokens=48, grammar=schema, stream=True))
+    jsonschema.validate(json.loads(streamed), GRADE)
+    digits = client.text_generation(PROMPT, max_new_tokens=16, do_sample=True, seed=5,
+                                    grammar={"type": "regex", "value": "[0-9]{4}"})
+    assert re.fullmatch("[0-9]{4}", digits), digits
