@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from api.context import ModelInfo, ServerContext
 from api.relay import EventRelay
-from common.protocol import ErrorEvent, Job, SamplingParams, TokenEvent
+from common.protocol import Constraint, ErrorEvent, Job, SamplingParams, TokenEvent
 from common.settings import Settings
 
 if TYPE_CHECKING:  # torch and the models load only for the tests that drive an engine, not for the benches
@@ -202,7 +202,7 @@ def make_engine(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, **li
 
 
 def make_job(input_ids: list[int], *, seed: int = 0, max_new_tokens: int = 16, details: bool = False,
-             request_id: str | None = None, **params: object) -> Job:
+             request_id: str | None = None, constraint: Constraint | None = None, **params: object) -> Job:
     return Job(
         request_id=request_id or f"req-{next(_request_ids)}",
         model="tiny",
@@ -210,6 +210,7 @@ def make_job(input_ids: list[int], *, seed: int = 0, max_new_tokens: int = 16, d
         input_ids=input_ids,
         params=SamplingParams(seed=seed, max_new_tokens=max_new_tokens, **params),
         decoder_input_details=details,
+        constraint=constraint,
         enqueued_at=time.time(),
     )
 

@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import jsonschema
 import pytest
+from llguidance import LLMatcher
+from llguidance.hf import from_tokenizer
 
-from common.protocol import ErrorEvent, TokenEvent
+from common.constraints import grammar
+from common.protocol import Constraint, ErrorEvent, Job, TokenEvent
 from common.settings import Settings
 from tests.helpers import ENGINES, VLLM_ARGS, collect, make_job, require_vllm, run, token_ids
 from worker.engine import Engine, RequestRefused, RequestState, load_engine
@@ -340,3 +345,91 @@ def test_the_kv_cache_holds_max_batch_total_tokens(subject: EngineUnderTest) -> 
     """maxBatchTotalTokens sizes both engines' KV cache: vLLM's too, rather than a fraction of the host's memory
     that fails to start where other processes use memory."""
     assert subject.engine.kv_budget_tokens == Settings().max_batch_total_tokens
+
+
+# -- structured outputs -------------------------------------------------------------------------------------
+
+# Each constraint with the pattern its whole output must match
+CONSTRAINED = [
+    (Constraint(format="regex", value="[0-9]{3}-[a-z]{2}"), "[0-9]{3}-[a-z]{2}"),
+    (Constraint(format="choice", value='["yes", "no", "maybe"]'), "yes|no|maybe"),
+    (Constraint(format="grammar", value='root ::= "a" | "b"'), "a|b"),
+]
+# Small enough for the tiny random model to finish: a bounded integer, an enum, and no free whitespace (llguidance's
+# ``x-guidance`` options, which vLLM's guidance backend reads too), else it fills its tokens with spaces.
+SCHEMA = {
+    "type": "object",
+    "properties": {"count": {"type": "integer", "minimum": 0, "maximum": 999}, "colour": {"enum": ["red", "blue"]}},
+    "required": ["count", "colour"],
+    "additionalProperties": False,
+    "x-guidance": {"whitespace_flexible": False},
+}
+JSON_SCHEMA = Constraint(format="json_schema", value=json.dumps(SCHEMA))
+SAMPLED_HOT = {"do_sample": True, "temperature": 1.3}
+
+
+def structured_text(stream: list[TokenEvent], tokenizer) -> str:
+    """The output of a request that ended on EOS, less the EOS: the contract model's second EOS is a word, whose
+    text ``generated_text`` holds."""
+    assert stream[-1].finish.finish_reason == "eos_token", stream[-1].finish
+    return tokenizer.decode(token_ids(stream)[:-1], skip_special_tokens=True)
+
+
+def test_constraints_hold(subject: EngineUnderTest, prompts, tokenizer) -> None:
+    """A regex, a choice list and a GBNF grammar, greedy and sampled, in one batch: each output matches its
+    constraint in full and ends on EOS, with ignore_eos too (a complete output allows nothing but EOS)."""
+    jobs = [
+        (make_job(prompt, max_new_tokens=32, constraint=constraint, ignore_eos=i == 0, **sampling), pattern)
+        for i, prompt in enumerate(prompts[:4])
+        for constraint, pattern in CONSTRAINED
+        for sampling in ({}, {**SAMPLED_HOT, "seed": i})
+    ]
+    events = run(subject.engine, {0: [job for job, _ in jobs]})
+    for job, pattern in jobs:
+        text = structured_text(events[job.request_id], tokenizer)
+        assert re.fullmatch(pattern, text), (pattern, text)
+
+
+def test_json_schema_output_validates(subject: EngineUnderTest, prompts, tokenizer) -> None:
+    """With room enough the output is JSON valid under its schema; cut short by max_new_tokens it is a prefix
+    the schema's grammar allows."""
+    complete = [make_job(prompt, max_new_tokens=64, constraint=JSON_SCHEMA, **sampling)
+                for i, prompt in enumerate(prompts[:4]) for sampling in ({}, {**SAMPLED_HOT, "seed": i})]
+    cut = make_job(prompts[5], max_new_tokens=4, constraint=JSON_SCHEMA)
+    events = run(subject.engine, {0: [*complete, cut]})
+    for job in complete:
+        jsonschema.validate(json.loads(structured_text(events[job.request_id], tokenizer)), SCHEMA)
+    stream = events[cut.request_id]
+    assert stream[-1].finish.finish_reason == "length" and len(stream) == 4
+    matcher = LLMatcher(from_tokenizer(tokenizer), grammar(JSON_SCHEMA))
+    assert matcher.consume_tokens(token_ids(stream)) and not matcher.is_accepting()
+
+
+def test_constrained_and_free_requests_share_a_batch(subject: EngineUnderTest, prompts) -> None:
+    """Greedy constrained requests joining a batch of free ones at different steps: every request gets the
+    tokens it gets alone (the free ones their references), so a row's mask never touches another row."""
+    def constrained() -> list[Job]:
+        return [make_job(prompts[i], max_new_tokens=40, constraint=constraint)
+                for i, constraint in enumerate([c for c, _ in CONSTRAINED] + [JSON_SCHEMA])]
+
+    alone = [token_ids(run(subject.engine, {0: [job]})[job.request_id]) for job in constrained()]
+    jobs = constrained()
+    free = [make_job(prompts[i], max_new_tokens=LENGTHS[i]) for i in (4, 6, 7)]
+    events = run(subject.engine, {0: [free[0], jobs[0]], 1: [jobs[1], free[1]], 3: [jobs[2], free[2], jobs[3]]})
+    for job, tokens in zip(jobs, alone, strict=True):
+        assert token_ids(events[job.request_id]) == tokens
+    for job, i in zip(free, (4, 6, 7), strict=True):
+        assert token_ids(events[job.request_id]) == subject.references[i].ids
+
+
+@pytest.mark.parametrize("constraint", [
+    Constraint(format="regex", value="[0-9"),
+    Constraint(format="grammar", value="root ::= missing"),
+    Constraint(format="json_schema", value='{"type": "no such type"}'),
+])
+def test_a_constraint_that_does_not_compile_is_refused(subject: EngineUnderTest, prompts,
+                                                       constraint: Constraint) -> None:
+    """Refused when the job is added (the client gets a validation error), the engine untouched."""
+    with pytest.raises(RequestRefused, match=f"{constraint.format} constraint"):
+        subject.engine.add(make_job(prompts[0], constraint=constraint))
+    assert subject.engine.idle

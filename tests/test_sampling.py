@@ -1,13 +1,18 @@
-"""BatchSampler on hand-made logits: each warper keeps exactly the tokens it should, with the right logprobs."""
+"""BatchSampler on hand-made logits: each warper keeps exactly the tokens it should, with the right logprobs,
+and a grammar keeps a constrained row to the tokens llguidance allows."""
 
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
+from llguidance import LLMatcher, LLTokenizer
+from llguidance.hf import from_tokenizer
 
-from common.protocol import SamplingParams
+from common.constraints import grammar
+from common.protocol import Constraint, SamplingParams
 from worker.sampling import BatchSampler
 
 # probabilities 0.4, 0.3, 0.2, 0.1 over a vocabulary of 4
@@ -87,3 +92,39 @@ def test_typical_p_keeps_what_transformers_typical_warper_keeps(mass: float) -> 
 def test_typical_p_draws_only_typical_tokens() -> None:
     # entropy of (0.4, 0.3, 0.2, 0.1) is 1.28 nats; surprisals 0.92, 1.20, 1.61, 2.30: token 1 is the most typical
     assert draws(do_sample=True, typical_p=0.25)[0] == {1}
+
+
+@pytest.fixture(scope="module")
+def grammar_tokenizer(tokenizer) -> LLTokenizer:
+    """The tiny model's tokenizer as llguidance reads it, with 4 padding rows past its tokens, as the logits of
+    a model whose embedding is padded have."""
+    return from_tokenizer(tokenizer, n_vocab=len(tokenizer) + 4)
+
+
+def test_a_constrained_row_samples_from_its_grammar_only(tokenizer, grammar_tokenizer) -> None:
+    """At every step a constrained row chooses among the tokens llguidance's own per-token mask allows (never a
+    padding row, which these logits favour), with the logprob of the masked distribution, and the grammar
+    follows its tokens to EOS; the free rows beside it get bit for bit what they get without it."""
+    text = grammar(Constraint(format="regex", value="[0-9]{2}-[a-z]"))
+    oracle = LLMatcher(grammar_tokenizer, text)
+    width = grammar_tokenizer.vocab_size
+    rows = [SamplingParams(seed=seed, max_new_tokens=8, do_sample=seed > 0) for seed in range(3)]
+    constrained = BatchSampler.create(rows, [[0]] * 3, width, torch.device("cpu"),
+                                      [None, LLMatcher(grammar_tokenizer, text), None])
+    free = BatchSampler.create(rows, [[0]] * 3, width, torch.device("cpu"))
+    draw = torch.Generator().manual_seed(0)
+    tokens: list[int] = []
+    while tokenizer.eos_token_id not in tokens:
+        assert len(tokens) < 8
+        logits = torch.randn(3, width, generator=draw)
+        logits[:, -4:] += 50.0
+        allowed = torch.frombuffer(bytearray(oracle.compute_logit_bias()), dtype=torch.uint8)[:width] > 0
+        ids, logprobs = constrained(logits)
+        free_ids, free_logprobs = free(logits)
+        assert torch.equal(ids[[0, 2]], free_ids[[0, 2]]) and torch.equal(logprobs[[0, 2]], free_logprobs[[0, 2]])
+        token = int(ids[1])
+        assert allowed[token]
+        assert logprobs[1].item() == pytest.approx((logits[1, token] - logits[1, allowed].logsumexp(0)).item())
+        assert oracle.consume_token(token)
+        tokens.append(token)
+    assert re.fullmatch("[0-9]{2}-[a-z]", tokenizer.decode(tokens, skip_special_tokens=True))

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from llguidance import LLMatcher
 from peft import PeftModel
 from transformers import DynamicCache, PreTrainedModel
 
@@ -105,9 +106,11 @@ class DecodeBatch:
         forward: ForwardArgs,
         adapters: Sequence[str | None],
         extra_inputs: dict[str, torch.Tensor] | None = None,
+        matchers: Sequence[LLMatcher | None] | None = None,
     ) -> tuple[DecodeBatch, torch.Tensor, torch.Tensor, list[list[float] | None]]:
         """Run the prompts through the model in one left-padded pass and choose each row's first token, each
-        row with its adapter of ``adapters``; ``extra_inputs`` go to the model's forward too (the rows' media
+        row with its adapter of ``adapters`` and its grammar's matcher of ``matchers`` (the first token is
+        constrained too; None: no row is); ``extra_inputs`` go to the model's forward too (the rows' media
         features, in row order).
 
         Returns the batch, the chosen ids and their logprobs, and for rows that asked for details the
@@ -127,7 +130,7 @@ class DecodeBatch:
         else:
             logits = forward.call(model, input_ids, mask, positions, cache, 0 if any(prompt_details) else 1,
                                   extra_inputs, _adapter_names(model, adapters))
-        sampler = BatchSampler.create(params, prompts, logits.shape[-1], model.device)
+        sampler = BatchSampler.create(params, prompts, logits.shape[-1], model.device, matchers)
         ids, logprobs = sampler(logits[:, -1, :])
         prompt_logprobs = [
             _prompt_logprobs(logits[row], prompt) if details else None

@@ -12,7 +12,9 @@ in its own module, chosen by ``Settings.engine`` (``--engine``, env ``ENGINE``, 
 What both share lives here too, so the two produce the same events for the same tokens: the per-request
 record (:class:`RequestState`), the text side (UTF-8-safe deltas, stop strings held back and excluded) and
 the rule that decides when a request ends and why (:meth:`RequestState.token_event`, which applies the
-request's ``stop_token_ids`` and ``ignore_eos`` too).
+request's ``stop_token_ids`` and ``ignore_eos`` too). A request's constraint (structured outputs) each engine
+enforces its own way: the built-in engine with llguidance's matchers (:mod:`worker.sampling`), the vLLM engine
+with vLLM's structured outputs.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from common.settings import EngineName, Settings
 from worker.detokenizer import Decode, TextStream
 
 if TYPE_CHECKING:
+    from llguidance import LLMatcher
     from transformers import PreTrainedTokenizerBase
 
 ENGINE_MODULES: dict[EngineName, str] = {
@@ -140,6 +143,8 @@ class RequestState:
     # What the prefill passes to the model beside the ids: a multimodal job's tensors (e.g. pixel_values).
     extra_inputs: dict[str, Any] = field(default_factory=dict)
     started_at: float = 0.0  # unix time of admission (the prefill), for the request's queue and inference times
+    # The built-in engine's state of a constrained request's grammar (worker/sampling.py); None: free text.
+    matcher: LLMatcher | None = None
 
     @property
     def request_id(self) -> str:
@@ -157,7 +162,8 @@ class RequestState:
     def token_event(self, token: int, logprob: float, *, stopping: bool, eos: bool, special: bool) -> TokenEvent:
         """Record one generated token and decide whether the request ends with it: a stop string it
         completes, one of its stop token ids or a stop order (``stopping``) end it as ``stop_sequence``, then
-        EOS (unless the request ignores it), then its length. A non-finite ``logprob`` means the request's
+        EOS (unless the request ignores it and has no constraint: a grammar allows EOS only once the output is
+        complete, and nothing but EOS after it), then its length. A non-finite ``logprob`` means the request's
         numbers went bad (NaN or infinite logits, no token left to choose): that raises, so the engine fails
         this request alone while the rest of its batch goes on."""
         if not math.isfinite(logprob):
@@ -168,7 +174,7 @@ class RequestState:
         reason: FinishReason | None = None
         if stopped or stopping or token in self.stop_ids:
             reason = "stop_sequence"
-        elif eos and not self.job.params.ignore_eos:
+        elif eos and (not self.job.params.ignore_eos or self.job.constraint is not None):
             reason = "eos_token"
         elif generated >= self.max_new_tokens:
             reason = "length"

@@ -9,31 +9,50 @@ Everything is computed in float32, the parameters included (:class:`common.proto
 values that float32 cannot hold). A row whose numbers go bad all the same (its logits NaN or infinite, every
 token masked) gets a NaN logprob and an id inside the vocabulary, so the batch's tensors stay usable and the
 engine ends that request alone.
+
+A row with a constraint (structured outputs) carries an llguidance matcher of its grammar: before anything
+else, every token that would leave the grammar gets -inf, and the chosen token is then consumed by the matcher,
+so the row's next mask follows its output. The masks are computed outside any compiled pass, on the CPU, for
+the constrained rows only: a free row's logits are never touched, so constrained and free requests share a
+batch and each gets the tokens it would get alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cache
 
 import torch
+from llguidance import LLExecutor, LLMatcher
+from llguidance.torch import fill_next_token_bitmask_par, get_bitmask_shape
 
 from common.protocol import SamplingParams
 
 
+@cache
+def _executor() -> LLExecutor:
+    """llguidance's threads that compute a batch's masks, started by the first constrained batch."""
+    return LLExecutor()
+
+
 class BatchSampler:
-    """Per-row sampling state of a batch: parameters, seeded generators and the token-presence mask that
-    the repetition penalty needs (prompt and generated ids of every row)."""
+    """Per-row sampling state of a batch: parameters, seeded generators, the token-presence mask that
+    the repetition penalty needs (prompt and generated ids of every row) and the grammar matcher of each
+    constrained row (None: a free row)."""
 
     def __init__(
         self,
         params: Sequence[SamplingParams],
         generators: list[torch.Generator],
         presence: torch.Tensor,
+        matchers: list[LLMatcher | None],
     ) -> None:
         device = presence.device
         self.params = list(params)
         self.generators = generators
         self.presence = presence
+        self.matchers = matchers
+        self.constrained = [(row, matcher) for row, matcher in enumerate(matchers) if matcher is not None]
         self.temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
         self.top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
         self.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
@@ -47,20 +66,24 @@ class BatchSampler:
 
     @classmethod
     def create(
-        cls, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]], vocab_size: int, device: torch.device
+        cls, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]], vocab_size: int, device: torch.device,
+        matchers: Sequence[LLMatcher | None] | None = None,
     ) -> BatchSampler:
-        """State for freshly prefilled rows: a generator seeded with each request's seed, presence = prompt."""
+        """State for freshly prefilled rows: a generator seeded with each request's seed, presence = prompt, and
+        each row's matcher (``matchers``; None: every row is free). A matcher's tokenizer must have
+        ``vocab_size`` tokens, the logits' width."""
         generators = [torch.Generator().manual_seed(p.seed) for p in params]
         presence = torch.zeros(len(params), vocab_size, dtype=torch.bool, device=device)
         for row, ids in enumerate(prompts):
             presence[row, torch.tensor(ids, dtype=torch.long, device=device)] = True
-        return cls(params, generators, presence)
+        return cls(params, generators, presence, list(matchers or [None] * len(params)))
 
     def select(self, rows: list[int]) -> BatchSampler:
         """The state of the kept rows, in the given order."""
         index = torch.tensor(rows, dtype=torch.long, device=self.presence.device)
         return BatchSampler(
-            [self.params[r] for r in rows], [self.generators[r] for r in rows], self.presence[index]
+            [self.params[r] for r in rows], [self.generators[r] for r in rows], self.presence[index],
+            [self.matchers[r] for r in rows],
         )
 
     @classmethod
@@ -70,13 +93,17 @@ class BatchSampler:
             first.params + second.params,
             first.generators + second.generators,
             torch.cat([first.presence, second.presence]),
+            first.matchers + second.matchers,
         )
 
     def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Choose one token per row from ``logits`` [batch, vocab]; returns (ids, logprobs of the chosen ids
-        under the distribution actually sampled from), and records the ids for the repetition penalty. A row
-        whose numbers went bad has a non-finite logprob (see the module docstring)."""
+        under the distribution actually sampled from), and records the ids for the repetition penalty and the
+        constrained rows' matchers. A row whose numbers went bad has a non-finite logprob (see the module
+        docstring)."""
         logits = logits.float()
+        if self.constrained:
+            logits = self._constrain(logits)
         if self.any_penalty:
             logits = self._apply_penalty(logits)
         ids = logits.argmax(dim=-1)
@@ -90,7 +117,23 @@ class BatchSampler:
                 ids = ids.index_copy(0, rows, sampled_ids)
                 logprobs = logprobs.index_copy(0, rows, sampled_logprobs)
         self.presence.scatter_(1, ids[:, None], True)
+        if self.constrained:
+            chosen = ids.tolist()
+            for row, matcher in self.constrained:
+                matcher.consume_token(chosen[row])  # a token it refuses leaves it in its error state
         return ids, logprobs
+
+    def _constrain(self, logits: torch.Tensor) -> torch.Tensor:
+        """-inf on every token that would leave a constrained row's grammar (beyond the tokenizer's tokens too:
+        padding rows of the logits are no token); the other rows are returned as they were."""
+        rows, width = self.constrained, logits.shape[-1]
+        bitmask = torch.full(get_bitmask_shape(len(rows), width), -1, dtype=torch.int32)
+        fill_next_token_bitmask_par(_executor(), [(matcher, i) for i, (_, matcher) in enumerate(rows)], bitmask)
+        # bit b of word w allows token 32 * w + b
+        bits = bitmask.to(logits.device)[:, :, None] >> torch.arange(32, dtype=torch.int32, device=logits.device)
+        allowed = (bits & 1).flatten(1)[:, :width].bool()
+        index = torch.tensor([row for row, _ in rows], dtype=torch.long, device=logits.device)
+        return logits.index_copy(0, index, logits[index].masked_fill(~allowed, float("-inf")))
 
     def _apply_penalty(self, logits: torch.Tensor) -> torch.Tensor:
         """Hugging Face repetition penalty: seen tokens' positive logits are divided by it, negative ones

@@ -15,6 +15,11 @@ adapter run exactly as they do on a model that never had one.
 The engine is not thread-safe: the queue loop calls every method from one thread, but
 :meth:`~TransformersEngine.prepare` (a multimodal job's media made into model inputs), which it runs on its
 media threads beside the steps.
+
+A request with a constraint (structured outputs) gets an llguidance matcher of its grammar when it is added:
+its row's tokens are masked and consumed by it in the sampler (:mod:`worker.sampling`), from the first token
+the prefill chooses on; once its output is complete the grammar allows nothing but EOS, which ends it. The
+grammar's text is compiled once per distinct constraint (:func:`_grammar_text`), a matcher from it is cheap.
 """
 
 from __future__ import annotations
@@ -23,8 +28,11 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
+from functools import cached_property, lru_cache
 
 import torch
+from llguidance import LLMatcher, LLTokenizer
+from llguidance.hf import from_tokenizer
 from peft import PeftModel
 from peft.functional import delete_adapter
 from peft.tuners.tuners_utils import BaseTuner
@@ -35,10 +43,12 @@ from transformers import (
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+    TokenizersBackend,
 )
 
+from common.constraints import grammar
 from common.model_files import ModelUnavailable, model_file
-from common.protocol import AdapterRef, ErrorEvent, Job, TokenEvent
+from common.protocol import AdapterRef, Constraint, ConstraintFormat, ErrorEvent, Job, TokenEvent
 from common.settings import Settings
 from worker import lora
 from worker.attention import use_padded_attention
@@ -62,6 +72,13 @@ from worker.engine import (
 from worker.media import MediaProcessor, concatenate
 
 log = logging.getLogger("ferry.engine")
+
+
+@lru_cache(maxsize=64)
+def _grammar_text(format: ConstraintFormat, value: str) -> str:
+    """llguidance's grammar text of a constraint (:func:`common.constraints.grammar`), kept for the next requests
+    with the same one: clients send the same few schemas again and again."""
+    return grammar(Constraint(format=format, value=value))
 
 
 class TransformersEngine(Engine):
@@ -208,9 +225,31 @@ class TransformersEngine(Engine):
             raise ValueError(f"request {job.request_id} is already queued or running")
         state = new_request_state(job, self._decode, self.max_total_tokens)
         state.extra_inputs = inputs
+        if job.constraint is not None:
+            state.matcher = self._matcher(job.constraint)
         if (adapter := job.adapter_ref) is not None:
             self.adapters.acquire(adapter)
         enqueue(self._waiting, state, lambda seq: seq.job.priority)
+
+    def _matcher(self, constraint: Constraint) -> LLMatcher:
+        """A new matcher of the constraint's grammar; raises :class:`RequestRefused` when it does not compile or
+        llguidance cannot read the model's tokenizer."""
+        try:
+            matcher = LLMatcher(self._grammar_tokenizer, _grammar_text(constraint.format, constraint.value))
+        except ValueError as exc:  # ConstraintError, or a tokenizer llguidance cannot read
+            raise RequestRefused(f"the {constraint.format} constraint cannot be enforced: {exc}") from None
+        if matcher.is_error():
+            raise RequestRefused(f"the {constraint.format} constraint cannot be enforced: {matcher.get_error()}")
+        return matcher
+
+    @cached_property
+    def _grammar_tokenizer(self) -> LLTokenizer:
+        """The model's tokenizer as llguidance reads it, made once, by the first constrained request (about a
+        second for a large vocabulary). Its vocabulary is the logits' width, so its masks cover the padding
+        rows too; its EOS ids are the engine's, so a grammar allows them where the output may end."""
+        if not isinstance(self.tokenizer, TokenizersBackend):  # llguidance reads a fast tokenizer's Rust one
+            raise ValueError(f"llguidance reads fast tokenizers only, not {type(self.tokenizer).__name__}")
+        return from_tokenizer(self.tokenizer, n_vocab=self._vocab_size, eos_token=sorted(self._eos_ids) or None)
 
     def unload_adapter(self, name: str) -> None:
         self.adapters.unload(name)
@@ -397,6 +436,7 @@ class TransformersEngine(Engine):
                 self._forward,
                 [job.adapter for job in jobs],
                 concatenate([seq.extra_inputs for seq in sequences]),
+                [seq.matcher for seq in sequences],
             )
         except Exception:
             self._release(sequences)
@@ -447,10 +487,14 @@ class TransformersEngine(Engine):
         return [sequences[row] for row in keep], batch
 
     def _token_event(self, seq: RequestState, token: int, logprob: float) -> TokenEvent:
-        return seq.token_event(
+        """The token's event; raises when the request's grammar failed (a resource limit, a token it refused)."""
+        event = seq.token_event(
             token, logprob, stopping=seq.request_id in self._stopping, eos=token in self._eos_ids,
             special=token in self._special_ids,
         )
+        if seq.matcher is not None and seq.matcher.is_error():
+            raise RuntimeError(f"the request's constraint failed: {seq.matcher.get_error()}")
+        return event
 
 
 ENGINE = TransformersEngine

@@ -25,6 +25,11 @@ What this engine leaves to vLLM and what it keeps, so both engines answer the sa
   ``SamplingParams`` refuses (a temperature above 2) are refused when the job is added.
 - Priority decides which queued jobs the worker takes (and hands vLLM) first; vLLM schedules the requests it
   holds with its default policy, first come first served.
+- A constraint (structured outputs) becomes vLLM's ``structured_outputs`` of the request, enforced by its
+  ``guidance`` backend (llguidance, the dialect the API checks constraints in, :mod:`common.constraints`) unless
+  ``structured_outputs_config`` in the engine arguments names another. A grammar vLLM cannot compile is refused
+  when the job is added. Once the output is complete the grammar allows EOS only, which ends the request, with
+  ``ignore_eos`` too (:meth:`worker.engine.RequestState.token_event`).
 
 Engine arguments come from the settings (model, dtype, maxSeqLen, maxBatchSize, trustRemoteCode) plus
 ``BackendConfig.vllmEngineArgs`` (env ``VLLM_ENGINE_ARGS``, a JSON object of further ``vllm.EngineArgs``
@@ -37,6 +42,7 @@ processes use memory.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -45,7 +51,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from common.model_files import ModelUnavailable, model_file
-from common.protocol import AdapterRef, ErrorEvent, Job, TokenEvent
+from common.protocol import AdapterRef, Constraint, ErrorEvent, Job, TokenEvent
 from common.settings import Settings
 from worker import lora
 from worker.detokenizer import make_decoder
@@ -68,10 +74,10 @@ try:
     import torch
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
     from vllm import EngineArgs, RequestOutput, SamplingParams, TokensPrompt
-    from vllm.config import CompilationMode
+    from vllm.config import CompilationMode, StructuredOutputsConfig
     from vllm.lora.request import LoRARequest
     from vllm.platforms import current_platform
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
     from vllm.v1.engine.llm_engine import LLMEngine
 except ImportError as exc:  # load_engine turns this into one line naming the extra to install
     raise ImportError(f"vllm is not installed ({exc.name})") from exc
@@ -83,6 +89,17 @@ _VISIBLE_DEVICES = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DE
 # What sizes vLLM's KV cache its own way (see the module docstring): engine arguments, then env vars.
 _VLLM_KV_ARGS = ("gpu_memory_utilization", "kv_cache_memory_bytes")
 _VLLM_KV_ENV = ("VLLM_CPU_KVCACHE_SPACE",)
+# Each constraint format's field of vLLM's StructuredOutputsParams
+_STRUCTURED_OUTPUTS = {"json_schema": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+def structured_outputs(constraint: Constraint | None) -> StructuredOutputsParams | None:
+    """The constraint as vLLM's structured outputs (None: free text): a schema and a choice list arrive as JSON
+    text, which vLLM takes as the object and the list."""
+    if constraint is None:
+        return None
+    value: Any = json.loads(constraint.value) if constraint.format in ("json_schema", "choice") else constraint.value
+    return StructuredOutputsParams(**{_STRUCTURED_OUTPUTS[constraint.format]: value})
 
 
 def kv_cache_bytes(config: PretrainedConfig, dtype: str, tokens: int) -> int:
@@ -167,6 +184,11 @@ class VllmEngine(Engine):
             "enable_lora": bool(settings.served_models[0].lora_modules),
             **settings.vllm_engine_args,
         }
+        # llguidance enforces constraints, as in the built-in engine; VLLM_ENGINE_ARGS may set other fields or
+        # another backend (its JSON gives an object, which EngineArgs does not convert)
+        arguments["structured_outputs_config"] = StructuredOutputsConfig(
+            **{"backend": "guidance", **arguments.get("structured_outputs_config", {})}
+        )
         if not any(key in arguments for key in _VLLM_KV_ARGS) and not any(env in os.environ for env in _VLLM_KV_ENV):
             arguments["kv_cache_memory_bytes"] = kv_cache_bytes(config, settings.dtype, settings.max_batch_total_tokens)
         try:
@@ -201,10 +223,7 @@ class VllmEngine(Engine):
         if job.request_id in self._requests:
             raise ValueError(f"request {job.request_id} is already queued or running")
         state = new_request_state(job, self._decode, self.max_total_tokens)
-        try:  # vLLM's SamplingParams checks its arguments when made: refused here, not in a step that fails all
-            self._sampling_params(state)
-        except Exception as exc:  # VLLMValidationError in vLLM 0.32, ValueError in older ones
-            raise RequestRefused(f"vLLM cannot sample with these parameters: {exc}") from None
+        self._check(state)
         state.started_at = time.time()
         if (adapter := job.adapter_ref) is not None:
             self.adapters.acquire(adapter)
@@ -213,6 +232,22 @@ class VllmEngine(Engine):
             self._prompt_logprobs[job.request_id] = []
         enqueue(self._held, job.request_id, lambda rid: self._requests[rid].job.priority)
         self._submit_held()
+
+    def _check(self, state: RequestState) -> None:
+        """Refuse what vLLM would refuse when the request is handed over (a held one only at a later step, whose
+        failure would end every request): arguments its SamplingParams refuses when made, and a constraint its
+        structured-outputs backend cannot compile, which vLLM checks when the request is added."""
+        try:
+            params = self._sampling_params(state)
+        except Exception as exc:  # VLLMValidationError in vLLM 0.32, ValueError in older ones
+            raise RequestRefused(f"vLLM cannot sample with these parameters: {exc}") from None
+        if (constraint := state.job.constraint) is not None:
+            config = self._engine.vllm_config
+            try:
+                params.verify(config.model_config, config.speculative_config, config.structured_outputs_config,
+                              self._engine.tokenizer)
+            except Exception as exc:  # VLLMValidationError in vLLM 0.32, ValueError in older ones
+                raise RequestRefused(f"vLLM cannot enforce the {constraint.format} constraint: {exc}") from None
 
     def _submit_held(self) -> None:
         """Hand vLLM the requests held back, in order, while they may join its batch: on CPU, where vLLM's LoRA
@@ -253,6 +288,7 @@ class VllmEngine(Engine):
             detokenize=False,
             skip_special_tokens=False,
             output_kind=RequestOutputKind.DELTA,
+            structured_outputs=structured_outputs(state.job.constraint),
         )
 
     def cancel(self, request_id: str) -> bool:
