@@ -75,6 +75,10 @@ def validate_stop(value: list[str] | str | None) -> list[str]:
 
 
 ANY_JSON_OBJECT = '{"type": "object"}'  # OpenAI's json_object, vLLM's json_object: any JSON object
+# JSON answers without free whitespace between their tokens, unless the schema sets llguidance's own `x-guidance`
+# options: a model that may pad JSON with whitespace can fill its whole answer with it and never close the object
+# (why vLLM has disable_any_whitespace); the engines read the options from the schema.
+COMPACT_JSON = {"whitespace_flexible": False}
 
 
 def checked_constraint(field: str, constraint: Constraint) -> Constraint:
@@ -99,7 +103,7 @@ def constraint_of(field: str, kind: str, value: Any) -> Constraint:
                 raise ValueError(f"`{field}` must be a JSON schema: {exc}") from None
         if not isinstance(value, dict):
             raise ValueError(f"`{field}` must be a JSON schema (an object). Given: {value!r}")
-        return Constraint(format="json_schema", value=json.dumps(value))
+        return Constraint(format="json_schema", value=json.dumps({"x-guidance": COMPACT_JSON, **value}))
     if kind == "choice":
         if not value:
             raise ValueError(f"`{field}` must hold at least one choice")

@@ -398,7 +398,18 @@ def test_structured_outputs_reach_the_job(
         return
     assert constraint is not None and constraint.format == expected[0]
     value = constraint.value if expected[0] in ("regex", "grammar") else json.loads(constraint.value)
+    if expected[0] == "json_schema":  # compact JSON unless the schema says otherwise
+        assert value.pop("x-guidance") == {"whitespace_flexible": False}
     assert value == expected[1]
+
+
+def test_a_schema_s_own_whitespace_option_is_kept(
+    chat_client: TestClient, stand_in_worker: list[QueuedRequest]
+) -> None:
+    schema = {**SCHEMA, "x-guidance": {"whitespace_flexible": True}}
+    assert post(chat_client, CHAT, chat_body(guided_json=schema)).status_code == 200
+    constraint = stand_in_worker[0].constraint
+    assert constraint is not None and json.loads(constraint.value) == schema
 
 
 def test_one_constraint_at_a_time(chat_client: TestClient) -> None:
