@@ -131,7 +131,10 @@ ConstraintFormat = Literal["json_schema", "regex", "choice", "grammar"]
 class Constraint(BaseModel):
     """What a request's output must match (structured outputs): the engines mask, at every step, each token
     that would leave it, so the output always fits (or is cut short by max_new_tokens). The formats are
-    llguidance's (:mod:`common.constraints`), which vLLM's structured outputs take too."""
+    llguidance's (:mod:`common.constraints`), which vLLM's structured outputs take too. Frozen: hashable, so an
+    engine can keep each one's compiled grammar."""
+
+    model_config = ConfigDict(frozen=True)
 
     format: ConstraintFormat
     value: str = Field(description="json_schema: the schema as JSON text; regex: the pattern (Rust regex syntax); "

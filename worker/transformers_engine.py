@@ -19,7 +19,8 @@ media threads beside the steps.
 A request with a constraint (structured outputs) gets an llguidance matcher of its grammar when it is added:
 its row's tokens are masked and consumed by it in the sampler (:mod:`worker.sampling`), from the first token
 the prefill chooses on; once its output is complete the grammar allows nothing but EOS, which ends it. The
-grammar's text is compiled once per distinct constraint (:func:`_grammar_text`), a matcher from it is cheap.
+grammar's text is compiled once per distinct constraint (the engine keeps the last ones: clients send the same
+few schemas again and again), and a matcher from it is cheap.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from transformers import (
 
 from common.constraints import grammar
 from common.model_files import ModelUnavailable, model_file
-from common.protocol import AdapterRef, Constraint, ConstraintFormat, ErrorEvent, Job, TokenEvent
+from common.protocol import AdapterRef, Constraint, ErrorEvent, Job, TokenEvent
 from common.settings import Settings
 from worker import lora
 from worker.attention import use_padded_attention
@@ -72,13 +73,7 @@ from worker.engine import (
 from worker.media import MediaProcessor, concatenate
 
 log = logging.getLogger("ferry.engine")
-
-
-@lru_cache(maxsize=64)
-def _grammar_text(format: ConstraintFormat, value: str) -> str:
-    """llguidance's grammar text of a constraint (:func:`common.constraints.grammar`), kept for the next requests
-    with the same one: clients send the same few schemas again and again."""
-    return grammar(Constraint(format=format, value=value))
+GRAMMARS_KEPT = 64  # distinct constraints whose compiled grammars an engine keeps
 
 
 class TransformersEngine(Engine):
@@ -97,6 +92,7 @@ class TransformersEngine(Engine):
         text_config = model.config.get_text_config(decoder=True)
         self._vocab_size = text_config.vocab_size
         self._forward = ForwardArgs.of(model)
+        self._grammars = lru_cache(maxsize=GRAMMARS_KEPT)(grammar)  # each constraint's llguidance grammar text
         if settings.compile_model and self._forward.step is not None:
             self._forward.step.compile_behind()
         limits = [settings.max_seq_len, settings.max_batch_total_tokens]
@@ -235,7 +231,7 @@ class TransformersEngine(Engine):
         """A new matcher of the constraint's grammar; raises :class:`RequestRefused` when it does not compile or
         llguidance cannot read the model's tokenizer."""
         try:
-            matcher = LLMatcher(self._grammar_tokenizer, _grammar_text(constraint.format, constraint.value))
+            matcher = LLMatcher(self._grammar_tokenizer, self._grammars(constraint))
         except ValueError as exc:  # ConstraintError, or a tokenizer llguidance cannot read
             raise RequestRefused(f"the {constraint.format} constraint cannot be enforced: {exc}") from None
         if matcher.is_error():
