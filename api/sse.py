@@ -19,7 +19,7 @@ SHUTDOWN_WRITE_SECONDS = 2.0
 :class:`api.main.PodServer`) before sse-starlette cancels it."""
 
 
-class Submission(Protocol):
+class StreamSource(Protocol):
     """What a stream reads of a queued request (:class:`api.pipeline.Submission`), so that streams do not
     depend on the pipeline."""
 
@@ -38,7 +38,7 @@ def _frame(payload: str) -> bytes:
 
 
 def event_stream(
-    submission: Submission,
+    submission: StreamSource,
     render: Callable[[AsyncIterator[TokenEvent]], AsyncIterator[str]],
     render_error: Callable[[PipelineError], str],
     headers: Mapping[str, str] | None = None,
